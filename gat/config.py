@@ -1,0 +1,220 @@
+"""Typed, validated configuration: one frozen dataclass per `params.yaml` section.
+
+Nothing here has a default for a value that `params.yaml` sets: a missing key is an
+error, not a silent fallback. `Params.from_dict` checks the whole file before any stage
+does work, and every error names the dotted key (`train.lr`) and what would fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+DATASETS = ("cora", "citeseer")
+
+
+class ParamsError(ValueError):
+    """A value in params.yaml is missing, unknown, mistyped or out of range."""
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ParamsError(f"params.yaml: `{key}` {message}")
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Check `value` against a field annotation, converting only int -> float and list -> tuple."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        _check(value in choices, key, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    if origin is tuple:
+        (item_type, _ellipsis) = typing.get_args(annotation)
+        _check(isinstance(value, list), key, f"must be a list, got {type(value).__name__} {value!r}")
+        return tuple(_coerce(item, item_type, f"{key}[{i}]") for i, item in enumerate(value))
+    if dataclasses.is_dataclass(annotation):
+        return _from_mapping(annotation, value, key)
+    if origin is dict:
+        key_type, value_type = typing.get_args(annotation)
+        _check(isinstance(value, dict), key, f"must be a mapping, got {type(value).__name__}")
+        return {_coerce(k, key_type, key): _coerce(v, value_type, f"{key}.{k}") for k, v in value.items()}
+    # bool is a subclass of int: `lr: true` must not pass as 1.
+    if annotation is float:
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), key,
+               f"must be a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if annotation is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), key,
+               f"must be an integer, got {type(value).__name__} {value!r}")
+        return value
+    _check(isinstance(value, annotation), key,
+           f"must be a {annotation.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _from_mapping(cls: type, raw: Any, prefix: str) -> Any:
+    _check(isinstance(raw, dict), prefix, f"must be a mapping of keys to values, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        _check(key in names, f"{prefix}.{key}" if prefix else str(key),
+               f"is not a known key; the keys of `{prefix or 'params.yaml'}` are: {', '.join(names)}")
+    values = {}
+    for name in names:
+        key = f"{prefix}.{name}" if prefix else name
+        _check(name in raw, key, "is missing; add it (see the README's Parameters section)")
+        values[name] = _coerce(raw[name], hints[name], key)
+    instance = cls(**values)
+    instance.validate(prefix)
+    return instance
+
+
+def _in_range(value: float, key: str, low: float, high: float, low_open: bool = False) -> None:
+    ok = (low < value if low_open else low <= value) and value <= high
+    bracket = "(" if low_open else "["
+    _check(ok, key, f"must be in {bracket}{low}, {high}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class DownloadParams:
+    """Where the Planetoid files come from. `GAT_DATA_MIRROR` overrides `base_url` at run time."""
+
+    base_url: str
+    timeout_s: float
+    retries: int
+
+    def validate(self, p: str) -> None:
+        _check(self.base_url.startswith(("http://", "https://")), f"{p}.base_url",
+               f"must be an http(s) URL, got {self.base_url!r}")
+        _in_range(self.timeout_s, f"{p}.timeout_s", 0, 3600, low_open=True)
+        _in_range(self.retries, f"{p}.retries", 0, 20)
+
+
+@dataclass(frozen=True)
+class PreprocessParams:
+    """`standard` is the Planetoid split of the paper; `random` the annotated tutorial's seeded one."""
+
+    split: Literal["standard", "random"]
+    random_seed: int
+    random_train_size: int
+    random_val_size: int
+    random_test_size: int
+
+    def validate(self, p: str) -> None:
+        for name in ("random_train_size", "random_val_size", "random_test_size"):
+            _in_range(getattr(self, name), f"{p}.{name}", 1, 1_000_000)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The paper's two-layer GAT: `heads` x `hidden_features`, concatenated, then `output_heads` averaged."""
+
+    hidden_features: int
+    heads: int
+    output_heads: int
+    dropout: float
+    leaky_relu_negative_slope: float
+
+    def validate(self, p: str) -> None:
+        _in_range(self.hidden_features, f"{p}.hidden_features", 1, 4096)
+        _in_range(self.heads, f"{p}.heads", 1, 64)
+        _in_range(self.output_heads, f"{p}.output_heads", 1, 64)
+        # p = 1 would zero every input and divide by zero in the rescaling.
+        _check(0.0 <= self.dropout < 1.0, f"{p}.dropout", f"must be in [0, 1), got {self.dropout!r}")
+        _in_range(self.leaky_relu_negative_slope, f"{p}.leaky_relu_negative_slope", 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Adam with coupled L2 and the authors' early stopping; shared by the train and reproduce stages."""
+
+    lr: float
+    weight_decay: float
+    max_epochs: int
+    patience: int
+
+    def validate(self, p: str) -> None:
+        _in_range(self.lr, f"{p}.lr", 0.0, 10.0, low_open=True)
+        _in_range(self.weight_decay, f"{p}.weight_decay", 0.0, 1.0)
+        _in_range(self.max_epochs, f"{p}.max_epochs", 1, 1_000_000)
+        _in_range(self.patience, f"{p}.patience", 1, 1_000_000)
+
+
+@dataclass(frozen=True)
+class TrainParams:
+    dataset: str
+    seed: int
+    lr: float
+    weight_decay: float
+    max_epochs: int
+    patience: int
+    device: Literal["auto", "cpu", "cuda"]
+
+    def validate(self, p: str) -> None:
+        self.optim.validate(p)
+        _in_range(self.seed, f"{p}.seed", 0, 2**63 - 1)
+
+    @property
+    def optim(self) -> OptimConfig:
+        return OptimConfig(self.lr, self.weight_decay, self.max_epochs, self.patience)
+
+
+@dataclass(frozen=True)
+class ReproduceParams:
+    """`seeds` independent runs per dataset, trained `seeds_per_batch` at a time in one batched model."""
+
+    seeds: int
+    first_seed: int
+    seeds_per_batch: int
+    device: Literal["auto", "cpu", "cuda"]
+    hyperparameters: dict[str, OptimConfig]
+
+    def validate(self, p: str) -> None:
+        _in_range(self.seeds, f"{p}.seeds", 2, 100_000)
+        _in_range(self.first_seed, f"{p}.first_seed", 0, 2**62)
+        _in_range(self.seeds_per_batch, f"{p}.seeds_per_batch", 1, 1024)
+
+
+@dataclass(frozen=True)
+class Params:
+    """The whole of params.yaml."""
+
+    datasets: tuple[str, ...]
+    download: DownloadParams
+    preprocess: PreprocessParams
+    model: ModelConfig
+    train: TrainParams
+    reproduce: ReproduceParams
+
+    def validate(self, p: str) -> None:
+        _check(len(self.datasets) > 0, "datasets", "must list at least one dataset")
+        for i, name in enumerate(self.datasets):
+            _check(name in DATASETS, f"datasets[{i}]", f"must be one of {', '.join(DATASETS)}, got {name!r}")
+        _check(len(set(self.datasets)) == len(self.datasets), "datasets", "lists a dataset twice")
+        _check(self.train.dataset in self.datasets, "train.dataset",
+               f"must be one of `datasets` ({', '.join(self.datasets)}), got {self.train.dataset!r}")
+        for name in self.datasets:
+            _check(name in self.reproduce.hyperparameters, f"reproduce.hyperparameters.{name}",
+                   "is missing: every dataset in `datasets` needs its reproduction hyperparameters")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "Params":
+        return _from_mapping(cls, dict(raw) if isinstance(raw, Mapping) else raw, "")
+
+
+def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys, as in params.yaml (`train.lr`), for logging every value as a flat param."""
+    items = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    flat: dict[str, Any] = {}
+    for key, value in items.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) or dataclasses.is_dataclass(value):
+            flat.update(flatten(value, dotted))
+        elif isinstance(value, tuple):
+            flat[dotted] = ",".join(map(str, value))
+        else:
+            flat[dotted] = value
+    return flat

@@ -1,0 +1,197 @@
+"""Training with the authors' early stopping, for one seed or many seeds batched in one model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gat.config import ModelConfig, OptimConfig
+from gat.dropout import ReplicaDropout
+from gat.graph import Neighbourhoods, SparseFeatures
+from gat.model import GAT
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` is CUDA when one is present, else CPU (where training is bit-for-bit deterministic)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device `cuda` was asked for, but torch sees no CUDA device; use `auto` or `cpu`")
+    return torch.device(name)
+
+
+@dataclass(frozen=True)
+class GraphTensors:
+    """What training and evaluation need of a graph, already on the training device.
+
+    Shapes:
+        x: [N, F_in] sparse; labels: [N]; train_idx: [N_train]; val_idx: [N_val]; test_idx: [N_test]
+    """
+
+    x: SparseFeatures
+    neighbourhoods: Neighbourhoods
+    labels: Tensor
+    train_idx: Tensor
+    val_idx: Tensor
+    test_idx: Tensor
+    num_classes: int
+
+    @classmethod
+    def from_graph(cls, graph, device: torch.device | str = "cpu") -> "GraphTensors":
+        """From a :class:`gat.data.Graph`; self-loops are added here, once."""
+        n = graph.labels.numel()
+        return cls(SparseFeatures.from_csr(graph.features).to(device),
+                   Neighbourhoods.from_edge_index(graph.edge_index, n).to(device),
+                   graph.labels.to(device), graph.train_idx.to(device), graph.val_idx.to(device),
+                   graph.test_idx.to(device), graph.num_classes)
+
+
+@dataclass(frozen=True)
+class EpochMetrics:
+    """One epoch of the replicas still training; train metrics are under dropout, as the authors log them.
+
+    Shapes: every tensor is [A], A = len(seeds), the replicas still active.
+    """
+
+    epoch: int
+    seeds: tuple[int, ...]
+    train_loss: Tensor
+    train_acc: Tensor
+    val_loss: Tensor
+    val_acc: Tensor
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """The model restored to each replica's checkpoint, and when each replica stopped.
+
+    Shapes: every tensor is [R], in the order of `seeds`.
+    """
+
+    model: GAT
+    seeds: tuple[int, ...]
+    epochs: Tensor       # epochs trained before patience ran out (or max_epochs)
+    best_epoch: Tensor   # 1-based epoch whose weights were restored
+    best_val_acc: Tensor
+    best_val_loss: Tensor
+
+
+def loss_and_accuracy(logits: Tensor, labels: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-replica mean cross-entropy and accuracy on the nodes in `index`.
+
+    Shapes:
+        logits: [N, R, C], labels: [N], index: [M] -> ([R], [R])
+    """
+    picked = logits.index_select(0, index)
+    M, R, C = picked.shape
+    target = labels.index_select(0, index)
+    loss = F.cross_entropy(picked.reshape(M * R, C), target.repeat_interleave(R), reduction="none").view(M, R)
+    accuracy = (picked.argmax(-1) == target.unsqueeze(1)).sum(0).double() / M
+    return loss.mean(0), accuracy
+
+
+@torch.no_grad()
+def predict(model: GAT, graph: GraphTensors) -> Tensor:
+    """Logits with dropout off: [N, R, C]."""
+    model.eval()
+    return model(graph.x, graph.neighbourhoods)
+
+
+class EarlyStopping:
+    """The rule of the authors' `execute_cora.py`, vectorised over replicas.
+
+    After each training step, one validation pass. If val_acc >= best_acc or val_loss <= best_loss,
+    the patience counter resets; the checkpoint is saved only when *both* hold; both bests are
+    updated. After `patience` epochs in a row without a reset, the replica stops.
+    """
+
+    def __init__(self, replicas: int, patience: int, device: torch.device | str = "cpu"):
+        self.patience = patience
+        self.best_acc = torch.zeros(replicas, dtype=torch.float64, device=device)
+        self.best_loss = torch.full((replicas,), float("inf"), dtype=torch.float64, device=device)
+        self.checkpoint_acc = torch.zeros_like(self.best_acc)
+        self.checkpoint_loss = torch.zeros_like(self.best_loss)
+        self.checkpoint_epoch = torch.zeros(replicas, dtype=torch.long, device=device)
+        self.wait = torch.zeros(replicas, dtype=torch.long, device=device)
+
+    def update(self, replicas: Tensor, epoch: int, val_acc: Tensor, val_loss: Tensor) -> tuple[Tensor, Tensor]:
+        """Record one epoch of `replicas`; return (save, stop) masks over them."""
+        val_loss = val_loss.double()
+        better_acc = val_acc >= self.best_acc[replicas]
+        better_loss = val_loss <= self.best_loss[replicas]
+        save = better_acc & better_loss
+        saved = replicas[save]
+        self.checkpoint_acc[saved] = val_acc[save]
+        self.checkpoint_loss[saved] = val_loss[save]
+        self.checkpoint_epoch[saved] = epoch
+        self.best_acc[replicas] = torch.maximum(self.best_acc[replicas], val_acc)
+        self.best_loss[replicas] = torch.minimum(self.best_loss[replicas], val_loss)
+        self.wait[replicas] = torch.where(better_acc | better_loss, 0, self.wait[replicas] + 1)
+        return save, self.wait[replicas] >= self.patience
+
+
+def train(graph: GraphTensors, config: ModelConfig, optim: OptimConfig, seeds: Sequence[int],
+          on_epoch: Callable[[EpochMetrics], None] | None = None) -> TrainResult:
+    """Train one replica per seed with Adam (coupled L2, biases included) and the authors' early stopping.
+
+    Replicas share nothing but the batch: each has its own init, dropout stream, optimiser
+    state and stopping epoch. A replica that stops is removed from the batch, so the rest
+    run faster; the result of a seed is the same alone or among others.
+    """
+    seeds = tuple(int(s) for s in seeds)
+    device = graph.labels.device
+    model = GAT(config, graph.x.num_features, graph.num_classes, seeds).to(device)
+    noise = ReplicaDropout(seeds, config.dropout) if config.dropout > 0 else None
+    # L2 as the authors add it, λ·Σ½‖v‖² over all variables: Adam's coupled weight_decay, not AdamW.
+    optimiser = torch.optim.Adam(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+    checkpoint = {name: p.detach().clone() for name, p in model.named_parameters()}
+    stopping = EarlyStopping(len(seeds), optim.patience, device)
+    epochs = torch.full((len(seeds),), optim.max_epochs, dtype=torch.long)
+    active = torch.arange(len(seeds), device=device)
+
+    for epoch in range(1, optim.max_epochs + 1):
+        model.train()
+        optimiser.zero_grad(set_to_none=True)
+        train_loss, train_acc = loss_and_accuracy(model(graph.x, graph.neighbourhoods, noise),
+                                                  graph.labels, graph.train_idx)
+        train_loss.sum().backward()  # replicas are independent: each gets the gradient of its own loss
+        optimiser.step()
+
+        val_loss, val_acc = loss_and_accuracy(predict(model, graph), graph.labels, graph.val_idx)
+        save, stop = stopping.update(active, epoch, val_acc, val_loss)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                checkpoint[name][active[save]] = parameter[save]
+        if on_epoch is not None:
+            on_epoch(EpochMetrics(epoch, tuple(seeds[int(r)] for r in active), train_loss.detach(),
+                                  train_acc, val_loss, val_acc))
+        if stop.any():
+            epochs[active[stop].cpu()] = epoch
+            keep = torch.nonzero(~stop).flatten()
+            active = active[keep]
+            if active.numel() == 0:
+                break
+            optimiser = _keep_replicas(model, optimiser, noise, keep)
+
+    restored = GAT(config, graph.x.num_features, graph.num_classes, seeds).to(device)
+    restored.load_state_dict(checkpoint)
+    return TrainResult(restored.eval(), seeds, epochs, stopping.checkpoint_epoch.cpu(),
+                       stopping.checkpoint_acc.cpu(), stopping.checkpoint_loss.cpu())
+
+
+def _keep_replicas(model: GAT, optimiser: torch.optim.Adam, noise: ReplicaDropout | None,
+                   keep: Tensor) -> torch.optim.Adam:
+    """Shrink the batch to the replicas in `keep`: parameters, Adam moments and dropout streams."""
+    old_states = [optimiser.state[p] for p in model.parameters()]
+    model.keep_replicas(keep)
+    shrunk = torch.optim.Adam(model.parameters(), **optimiser.defaults)
+    for parameter, state in zip(model.parameters(), old_states):
+        shrunk.state[parameter] = {"step": state["step"], "exp_avg": state["exp_avg"][keep],
+                                   "exp_avg_sq": state["exp_avg_sq"][keep]}
+    if noise is not None:
+        noise.select(keep)
+    return shrunk

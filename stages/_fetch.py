@@ -1,0 +1,167 @@
+"""Fetching raw files and checking them against the pinned SHA-256 list.
+
+The source is `download.base_url`, or `GAT_DATA_MIRROR` when set: an http(s) base URL,
+or a local folder (a path, relative to the repository root, or a file:// URL).
+Transient failures (connection errors, timeouts, truncated bodies, HTTP 5xx) are
+retried with exponential backoff; a 4xx or a checksum mismatch fails at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import requests
+from tqdm import tqdm
+
+from stages._common import fail, repo_root
+
+CHECKSUMS = Path(__file__).resolve().parent / "checksums" / "planetoid.sha256"
+MIRROR_ENV = "GAT_DATA_MIRROR"
+
+# Seconds before retry k is BACKOFF_S * 2**k; tests set it to 0.
+BACKOFF_S = 0.5
+_CHUNK = 1 << 16
+
+
+class _Transient(Exception):
+    """A failed attempt worth repeating: a 5xx or a body shorter than announced."""
+
+
+def read_checksums(names: Iterable[str] | None = None, path: Path | None = None) -> dict[str, str]:
+    """File name -> SHA-256 from a `sha256sum`-format file (the pinned list by default).
+
+    With `names`, only those files, and every one of them must be listed.
+    """
+    path = path or CHECKSUMS
+    checksums = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            digest, name = line.split(maxsplit=1)
+            checksums[name.lstrip("*")] = digest.lower()
+    if names is None:
+        return checksums
+    names = list(names)
+    unpinned = [name for name in names if name not in checksums]
+    if unpinned:
+        fail(f"{', '.join(unpinned)} not pinned in {path}: add their SHA-256 there (sha256sum format).")
+    return {name: checksums[name] for name in names}
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def resolve_source(base_url: str) -> str | Path:
+    """The base URL (str, no trailing slash) or local folder (Path) to fetch from."""
+    mirror = os.environ.get(MIRROR_ENV, "").strip()
+    if not mirror:
+        return base_url.rstrip("/")
+    if mirror.startswith(("http://", "https://")):
+        return mirror.rstrip("/")
+    if mirror.startswith("file://"):
+        folder = Path(urllib.request.url2pathname(urllib.parse.urlparse(mirror).path))
+    elif "://" in mirror:
+        fail(f"{MIRROR_ENV}={mirror!r}: only http(s) URLs and local folders are supported; fix or unset it.")
+    else:
+        folder = Path(mirror)
+    folder = folder if folder.is_absolute() else repo_root() / folder
+    if not folder.is_dir():
+        fail(f"{MIRROR_ENV}={mirror!r}: {folder} is not a folder; point it at a folder holding the "
+             "ind.<dataset>.* files, or unset it to download from download.base_url.")
+    return folder
+
+
+def _get_once(session: requests.Session, url: str, target: Path, timeout_s: float) -> int:
+    # identity: the checksums pin the bytes on the wire, and Content-Length then counts them.
+    with session.get(url, stream=True, timeout=timeout_s, headers={"Accept-Encoding": "identity"}) as response:
+        if response.status_code >= 500:
+            raise _Transient(f"HTTP {response.status_code} {response.reason}")
+        if response.status_code != 200:
+            fail(f"HTTP {response.status_code} {response.reason} for {url} (not retried): the file is not "
+                 f"there; check download.base_url in params.yaml or {MIRROR_ENV}.")
+        announced = response.headers.get("Content-Length")
+        received = 0
+        with open(target, "wb") as handle, tqdm(total=int(announced) if announced else None, unit="B",
+                                                unit_scale=True, unit_divisor=1024, desc=target.stem,
+                                                leave=False, disable=None) as bar:
+            for chunk in response.iter_content(_CHUNK):
+                handle.write(chunk)
+                received += len(chunk)
+                bar.update(len(chunk))
+    # urllib3 already raises on a short read; this also covers a transport that does not.
+    if announced is not None and received != int(announced):
+        raise _Transient(f"received {received} of {announced} bytes")
+    return received
+
+
+def _download(session: requests.Session, url: str, target: Path, timeout_s: float, retries: int) -> int:
+    for attempt in range(retries + 1):
+        try:
+            return _get_once(session, url, target, timeout_s)
+        except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+                _Transient) as error:
+            last_error = error
+            if attempt < retries:
+                time.sleep(BACKOFF_S * 2**attempt)
+    fail(f"could not download {url} after {retries + 1} attempts ({last_error}). Check the network, raise "
+         f"download.retries or download.timeout_s in params.yaml, or set {MIRROR_ENV} to a mirror.")
+
+
+def _check(name: str, actual: str, expected: str, fix: str) -> None:
+    if actual != expected:
+        fail(f"{name}: SHA-256 is {actual}, but {expected} is pinned (stages/checksums/planetoid.sha256). {fix}")
+
+
+def fetch(expected: Mapping[str, str], source: str | Path, dest: Path, *, timeout_s: float,
+          retries: int) -> dict[str, int]:
+    """Fetch each file named in `expected` (file name -> SHA-256) from `source` into `dest`.
+
+    Returns file name -> bytes.
+
+    Each file is written to a `.part` sibling and renamed only once its checksum
+    matches, so `dest` never holds an unverified file under its real name.
+    """
+    fix = (f"{source} serves other bytes than the canonical file: if {MIRROR_ENV} is set, check the mirror's "
+           "contents or unset it; if not, the file at download.base_url has changed and needs review.")
+    sizes = {}
+    with requests.Session() as session:
+        for name in expected:
+            part = dest / f"{name}.part"
+            try:
+                if isinstance(source, Path):
+                    if not (source / name).is_file():
+                        fail(f"{source / name} is missing from the {MIRROR_ENV} folder; add it or unset {MIRROR_ENV}.")
+                    shutil.copyfile(source / name, part)
+                    sizes[name] = part.stat().st_size
+                else:
+                    sizes[name] = _download(session, f"{source}/{name}", part, timeout_s, retries)
+                _check(name, sha256_file(part), expected[name], fix)
+                part.rename(dest / name)
+            finally:
+                part.unlink(missing_ok=True)
+    return sizes
+
+
+def read_verified(folder: Path, expected: Mapping[str, str], producer: str) -> dict[str, bytes]:
+    """Read each file in `expected` from `folder` after its checksum matches; file name -> bytes.
+
+    `producer` is the DVC stage that makes `folder`, named in the fix.
+    """
+    raw = {}
+    for name, digest in expected.items():
+        path = folder / name
+        if not path.is_file():
+            fail(f"{path} is missing: run `dvc repro --force {producer}` to download it again.")
+        data = path.read_bytes()
+        _check(str(path), hashlib.sha256(data).hexdigest(), digest, "The file was changed or comes from "
+               f"elsewhere: run `dvc repro --force {producer}` to download it again.")
+        raw[name] = data
+    return raw

@@ -1,0 +1,244 @@
+"""Shared fixtures: Planetoid files (real or synthetic) and a loopback HTTP server.
+
+For other test modules:
+
+- `planetoid_folder` (session): a `PlanetoidFolder(path, real, checksums)`. The real files
+  from `../shared/datasets/planetoid` when present, else synthetic cora and citeseer files
+  in the same format. Synthetic files do not match `stages/checksums/planetoid.sha256`, so
+  code that verifies against the pinned list needs `planetoid_folder.real` (or a patched
+  `stages._fetch.CHECKSUMS`).
+- `serve_folder` (function): a factory `serve_folder(folder, faults=None) -> LoopbackServer`
+  that serves `folder` on 127.0.0.1 until the test ends. `faults` maps a file name to the
+  behaviours of its next requests, one per request (`"503"`, `"404"`, `"truncate"`: a
+  body half as long as its Content-Length); after those, the file is served normally.
+- `planetoid_url` (function): the base URL of `planetoid_folder` served that way, e.g.
+  for `GAT_DATA_MIRROR`.
+- `write_synthetic_planetoid(folder, dataset, **layout)`: write one synthetic dataset and
+  refresh `folder/SHA256SUMS`; returns the ground truth as a `SyntheticPlanetoid`.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import http.server
+import io
+import pickle
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import pytest
+from scipy import sparse
+
+SHARED_PLANETOID = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "planetoid"
+
+# Sized so the standard split works: 20 training nodes per class, then 500 validation nodes.
+SYNTHETIC_LAYOUTS = {
+    "cora": dict(num_classes=7, num_features=150, num_extra=300, num_test=200, missing_test=0, seed=1),
+    "citeseer": dict(num_classes=6, num_features=200, num_extra=200, num_test=200, missing_test=5, seed=2),
+}
+
+
+@dataclass(frozen=True)
+class SyntheticPlanetoid:
+    """The ground truth behind synthetic files, in node order.
+
+    Shapes: features: [N, F_in] raw 0/1 counts; labels: [N], -1 for the missing test nodes;
+    edges: undirected (i, j) pairs with i < j; train/val/test_idx: sorted node ids.
+    """
+
+    dataset: str
+    features: np.ndarray
+    labels: np.ndarray
+    edges: frozenset[tuple[int, int]]
+    train_idx: np.ndarray
+    val_idx: np.ndarray
+    test_idx: np.ndarray
+    num_classes: int
+
+
+class _Python2Pickler(pickle._Pickler):
+    """Protocol 2 with bytes written as Python 2 `str`, as in the originals.
+
+    Python 3 writes bytes in protocol 2 as calls to `_codecs.encode`, a global the
+    originals never reference and that gat.data's restricted unpickler rightly refuses.
+    """
+
+    dispatch = pickle._Pickler.dispatch.copy()
+
+    def _save_bytes_as_str(self, obj: bytes) -> None:
+        if len(obj) < 256:
+            self.write(pickle.SHORT_BINSTRING + bytes([len(obj)]) + obj)
+        else:
+            self.write(pickle.BINSTRING + struct.pack("<i", len(obj)) + obj)
+        self.memoize(obj)
+
+    dispatch[bytes] = _save_bytes_as_str
+
+
+def _pickle(path: Path, value: object) -> None:
+    buffer = io.BytesIO()
+    _Python2Pickler(buffer, protocol=2).dump(value)
+    path.write_bytes(buffer.getvalue())
+
+
+def write_checksums(folder: Path) -> dict[str, str]:
+    """(Re)write `folder/SHA256SUMS` over every `ind.*` file there; returns file name -> SHA-256."""
+    checksums = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(folder.glob("ind.*"))}
+    (folder / "SHA256SUMS").write_text("".join(f"{digest}  {name}\n" for name, digest in checksums.items()))
+    return checksums
+
+
+def write_synthetic_planetoid(folder: Path, dataset: str, *, num_classes: int = 7, train_per_class: int = 20,
+                              num_val: int = 500, num_extra: int = 300, num_test: int = 200,
+                              missing_test: int = 0, num_features: int = 150, seed: int = 0) -> SyntheticPlanetoid:
+    """Write `ind.<dataset>.*` in the exact Planetoid format from random ground truth.
+
+    Nodes 0..N_all-1 are in allx/ally (the first `num_classes * train_per_class` also in
+    x/y, `train_per_class` of each class); the test block follows, in shuffled test.index
+    order, with `missing_test` ids in its interior left out as in Citeseer. One allx row is
+    all zero, and the adjacency lists hold duplicates and self-loops, as the real ones do.
+    """
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    num_train = num_classes * train_per_class
+    num_all = num_train + num_val + num_extra
+    span = num_test + missing_test
+    num_nodes = num_all + span
+
+    labels = rng.integers(0, num_classes, num_nodes)
+    labels[:num_train] = rng.permutation(np.repeat(np.arange(num_classes), train_per_class))
+    missing = num_all + 1 + rng.choice(span - 2, missing_test, replace=False)
+    labels[missing] = -1
+    features = (rng.random((num_nodes, num_features)) < 0.05).astype(np.float32)
+    features[missing] = 0
+    features[num_train] = 0
+    one_hot = np.eye(num_classes, dtype=np.int32)[labels] * (labels >= 0)[:, None]
+
+    test_index = rng.permutation(np.setdiff1d(np.arange(num_all, num_nodes), missing))
+    prefix = folder / f"ind.{dataset}"
+    _pickle(Path(f"{prefix}.x"), sparse.csr_matrix(features[:num_train]))
+    _pickle(Path(f"{prefix}.y"), one_hot[:num_train])
+    _pickle(Path(f"{prefix}.allx"), sparse.csr_matrix(features[:num_all]))
+    _pickle(Path(f"{prefix}.ally"), one_hot[:num_all])
+    _pickle(Path(f"{prefix}.tx"), sparse.csr_matrix(features[test_index]))
+    _pickle(Path(f"{prefix}.ty"), one_hot[test_index])
+    Path(f"{prefix}.test.index").write_text("".join(f"{i}\n" for i in test_index))
+
+    present = np.setdiff1d(np.arange(num_nodes), missing)
+    pairs = rng.choice(present, (2 * num_nodes, 2))
+    edges = frozenset((int(min(i, j)), int(max(i, j))) for i, j in pairs if i != j)
+    # Every node has an entry, isolated or not, as in the originals.
+    adjacency = collections.defaultdict(list, {node: [] for node in range(num_nodes)})
+    for i, j in sorted(edges):
+        adjacency[i].append(j)
+        adjacency[j].append(i)
+    for i, j in sorted(edges)[:10]:
+        adjacency[i].append(j)
+    for node in present[:5]:
+        adjacency[int(node)].append(int(node))
+    _pickle(Path(f"{prefix}.graph"), adjacency)
+    write_checksums(folder)
+
+    return SyntheticPlanetoid(
+        dataset=dataset, features=features, labels=labels, edges=edges,
+        train_idx=np.arange(num_train), val_idx=np.arange(num_train, num_train + num_val),
+        test_idx=np.sort(test_index), num_classes=num_classes,
+    )
+
+
+@dataclass(frozen=True)
+class PlanetoidFolder:
+    """Where the Planetoid files are, whether they are the real ones, and their SHA256SUMS."""
+
+    path: Path
+    real: bool
+    checksums: dict[str, str]
+
+
+@pytest.fixture(scope="session")
+def planetoid_folder(tmp_path_factory: pytest.TempPathFactory) -> PlanetoidFolder:
+    from stages._fetch import read_checksums
+
+    if (SHARED_PLANETOID / "SHA256SUMS").is_file():
+        return PlanetoidFolder(SHARED_PLANETOID, True, read_checksums(path=SHARED_PLANETOID / "SHA256SUMS"))
+    folder = tmp_path_factory.mktemp("planetoid")
+    for dataset, layout in SYNTHETIC_LAYOUTS.items():
+        write_synthetic_planetoid(folder, dataset, **layout)
+    return PlanetoidFolder(folder, False, read_checksums(path=folder / "SHA256SUMS"))
+
+
+@dataclass
+class LoopbackServer:
+    """A running server: `base_url` + "/" + file name serves that file of the folder.
+
+    `requests` lists the file names asked for, in order; `faults` is consumed as they come.
+    """
+
+    base_url: str
+    requests: list[str] = field(default_factory=list)
+    faults: dict[str, list[str]] = field(default_factory=dict)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    # HTTP/1.0 closes the connection after each response, which is what ends a truncated body.
+    protocol_version = "HTTP/1.0"
+    server: "_Server"
+
+    def do_GET(self) -> None:
+        name = self.path.rsplit("/", 1)[-1]
+        state = self.server.state
+        state.requests.append(name)
+        queue = state.faults.get(name) or []
+        fault = queue.pop(0) if queue else None
+        path = self.server.folder / name
+        if fault == "404" or not path.is_file():
+            self.send_error(404)
+        elif fault == "503":
+            self.send_error(503)
+        else:
+            body = path.read_bytes()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[: len(body) // 2] if fault == "truncate" else body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # keep pytest output clean
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, folder: Path, state: LoopbackServer) -> None:
+        self.folder = folder
+        self.state = state
+        super().__init__(("127.0.0.1", 0), _Handler)
+
+
+@pytest.fixture
+def serve_folder() -> Iterator[Callable[..., LoopbackServer]]:
+    servers: list[_Server] = []
+
+    def serve(folder: Path, faults: dict[str, list[str]] | None = None) -> LoopbackServer:
+        state = LoopbackServer(base_url="", faults={name: list(queue) for name, queue in (faults or {}).items()})
+        server = _Server(Path(folder), state)
+        state.base_url = f"http://127.0.0.1:{server.server_address[1]}/data"
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        servers.append(server)
+        return state
+
+    yield serve
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def planetoid_url(planetoid_folder: PlanetoidFolder, serve_folder: Callable[..., LoopbackServer]) -> str:
+    return serve_folder(planetoid_folder.path).base_url

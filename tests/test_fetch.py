@@ -1,0 +1,158 @@
+"""stages._fetch: downloads from a loopback server and a local mirror, retries, checksums."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from conftest import LoopbackServer, PlanetoidFolder
+from gat.data import file_names
+from stages import _fetch
+from stages._common import StageError, atomic_dir
+
+NAMES = file_names("cora")
+
+
+@pytest.fixture(autouse=True)
+def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_fetch, "BACKOFF_S", 0.0)
+
+
+def _fetch_into(out: Path, source: str | Path, expected: dict[str, str], retries: int = 2) -> dict[str, int]:
+    with atomic_dir(out) as staging:
+        return _fetch.fetch(expected, source, staging, timeout_s=5, retries=retries)
+
+
+def _expected(planetoid_folder: PlanetoidFolder) -> dict[str, str]:
+    return {name: planetoid_folder.checksums[name] for name in NAMES}
+
+
+def test_good_download_is_verified(planetoid_folder: PlanetoidFolder, planetoid_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "raw" / "cora"
+    sizes = _fetch_into(out, planetoid_url, _expected(planetoid_folder))
+    assert sorted(path.name for path in out.iterdir()) == sorted(NAMES)
+    assert sizes == {name: (planetoid_folder.path / name).stat().st_size for name in NAMES}
+    assert {name: _fetch.sha256_file(out / name) for name in NAMES} == _expected(planetoid_folder)
+
+
+def test_wrong_checksum_fails_and_leaves_nothing(planetoid_folder: PlanetoidFolder, planetoid_url: str,
+                                                 tmp_path: Path) -> None:
+    expected = _expected(planetoid_folder) | {"ind.cora.tx": "0" * 64}
+    out = tmp_path / "raw" / "cora"
+    message = r"ind\.cora\.tx: SHA-256 is [0-9a-f]{64}, but 0{64} is pinned.*GAT_DATA_MIRROR"
+    with pytest.raises(StageError, match=message):
+        _fetch_into(out, planetoid_url, expected)
+    assert not out.exists()
+    assert list(out.parent.iterdir()) == []
+
+
+def test_previous_output_survives_a_failure(planetoid_folder: PlanetoidFolder, planetoid_url: str,
+                                            tmp_path: Path) -> None:
+    out = tmp_path / "cora"
+    out.mkdir()
+    (out / "old").write_text("kept")
+    with pytest.raises(StageError):
+        _fetch_into(out, planetoid_url, _expected(planetoid_folder) | {"ind.cora.y": "0" * 64})
+    assert [path.name for path in out.iterdir()] == ["old"]
+
+
+def test_truncated_body_is_retried_then_fails(planetoid_folder: PlanetoidFolder,
+                                              serve_folder: Callable[..., LoopbackServer], tmp_path: Path) -> None:
+    server = serve_folder(planetoid_folder.path, faults={"ind.cora.y": ["truncate"] * 3})
+    out = tmp_path / "cora"
+    with pytest.raises(StageError, match=r"could not download .*/ind\.cora\.y after 3 attempts"):
+        _fetch_into(out, server.base_url, _expected(planetoid_folder), retries=2)
+    assert server.requests.count("ind.cora.y") == 3
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_truncated_body_then_success(planetoid_folder: PlanetoidFolder,
+                                     serve_folder: Callable[..., LoopbackServer], tmp_path: Path) -> None:
+    server = serve_folder(planetoid_folder.path, faults={"ind.cora.allx": ["truncate"]})
+    _fetch_into(tmp_path / "cora", server.base_url, _expected(planetoid_folder))
+    assert server.requests.count("ind.cora.allx") == 2
+
+
+def test_503_then_200_succeeds(planetoid_folder: PlanetoidFolder, serve_folder: Callable[..., LoopbackServer],
+                               tmp_path: Path) -> None:
+    server = serve_folder(planetoid_folder.path, faults={"ind.cora.x": ["503", "503"]})
+    _fetch_into(tmp_path / "cora", server.base_url, _expected(planetoid_folder), retries=2)
+    assert server.requests.count("ind.cora.x") == 3
+    assert _fetch.sha256_file(tmp_path / "cora" / "ind.cora.x") == planetoid_folder.checksums["ind.cora.x"]
+
+
+def test_404_fails_at_once_naming_the_url(planetoid_folder: PlanetoidFolder,
+                                          serve_folder: Callable[..., LoopbackServer], tmp_path: Path) -> None:
+    server = serve_folder(planetoid_folder.path, faults={"ind.cora.graph": ["404"]})
+    message = r"HTTP 404 .* for http://127\.0\.0\.1:\d+/data/ind\.cora\.graph \(not retried\)"
+    with pytest.raises(StageError, match=message):
+        _fetch_into(tmp_path / "cora", server.base_url, _expected(planetoid_folder), retries=3)
+    assert server.requests.count("ind.cora.graph") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_connection_refused_is_retried_then_fails(planetoid_folder: PlanetoidFolder, tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(StageError, match="after 2 attempts.*GAT_DATA_MIRROR"):
+        _fetch_into(tmp_path / "cora", f"http://127.0.0.1:{port}", _expected(planetoid_folder), retries=1)
+
+
+@pytest.mark.parametrize("form", ["absolute", "file_url", "relative"])
+def test_local_folder_mirror(planetoid_folder: PlanetoidFolder, monkeypatch: pytest.MonkeyPatch,
+                             tmp_path: Path, form: str) -> None:
+    mirror = {"absolute": str(planetoid_folder.path), "file_url": planetoid_folder.path.as_uri(),
+              "relative": "mirror"}[form]
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))  # what repo_root() returns, for the relative form
+    (tmp_path / "mirror").symlink_to(planetoid_folder.path)
+    monkeypatch.setenv(_fetch.MIRROR_ENV, mirror)
+    source = _fetch.resolve_source("https://example.invalid/data")
+    assert source == (tmp_path / "mirror" if form == "relative" else planetoid_folder.path)
+    sizes = _fetch_into(tmp_path / "cora", source, _expected(planetoid_folder))
+    assert sum(sizes.values()) == sum((planetoid_folder.path / name).stat().st_size for name in NAMES)
+
+
+def test_mirror_url_and_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(_fetch.MIRROR_ENV, raising=False)
+    assert _fetch.resolve_source("https://host/data/") == "https://host/data"
+    monkeypatch.setenv(_fetch.MIRROR_ENV, "http://127.0.0.1:9/planetoid/")
+    assert _fetch.resolve_source("https://host/data") == "http://127.0.0.1:9/planetoid"
+
+
+@pytest.mark.parametrize("mirror, message", [("/no/such/folder", "is not a folder"),
+                                             ("ftp://host/data", "only http\\(s\\) URLs and local folders")])
+def test_bad_mirror_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, mirror: str, message: str) -> None:
+    monkeypatch.setenv(_fetch.MIRROR_ENV, mirror)
+    with pytest.raises(StageError, match=message):
+        _fetch.resolve_source("https://host/data")
+
+
+def test_mirror_folder_missing_a_file(planetoid_folder: PlanetoidFolder, tmp_path: Path) -> None:
+    with pytest.raises(StageError, match="ind.cora.x is missing from the GAT_DATA_MIRROR folder"):
+        _fetch_into(tmp_path / "cora", tmp_path, _expected(planetoid_folder))
+
+
+def test_pinned_checksums_cover_both_datasets() -> None:
+    pinned = _fetch.read_checksums(file_names("cora") + file_names("citeseer"))
+    assert len(pinned) == 16 and all(len(digest) == 64 for digest in pinned.values())
+    with pytest.raises(StageError, match="ind.pubmed.x.*not pinned"):
+        _fetch.read_checksums(["ind.pubmed.x"])
+
+
+def test_pinned_checksums_match_the_real_files(planetoid_folder: PlanetoidFolder) -> None:
+    if not planetoid_folder.real:
+        pytest.skip("the real Planetoid files (../shared/datasets/planetoid) are not here")
+    assert _fetch.read_checksums() == planetoid_folder.checksums
+
+
+def test_read_verified_refuses_a_changed_file(planetoid_folder: PlanetoidFolder, tmp_path: Path) -> None:
+    expected = _expected(planetoid_folder)
+    _fetch_into(tmp_path / "cora", planetoid_folder.path, expected)
+    assert _fetch.read_verified(tmp_path / "cora", expected, "download@cora").keys() == expected.keys()
+    (tmp_path / "cora" / "ind.cora.x").write_bytes(b"tampered")
+    with pytest.raises(StageError, match=r"ind\.cora\.x: SHA-256 .* `dvc repro --force download@cora`"):
+        _fetch.read_verified(tmp_path / "cora", expected, "download@cora")
