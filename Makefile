@@ -6,6 +6,9 @@ BIN := $(CURDIR)/$(VENV)/bin
 PYTHON ?= python3
 # Stages run `python -m stages.*` through DVC: the venv's python must come first on PATH.
 RUN := PATH="$(BIN):$$PATH"
+# No usage telemetry from MLflow or DVC (and these machines have no internet to send it to).
+export MLFLOW_DISABLE_TELEMETRY := true
+export DVC_NO_ANALYTICS := 1
 PIP_INSTALL := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
 .PHONY: repro test ui bench constraints clean

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -12,6 +13,10 @@ from torch import Tensor, nn
 
 from gat.dropout import ReplicaDropout
 from gat.graph import Neighbourhoods, SparseFeatures
+
+
+# CSR products are the point of this engine; torch's "beta" notice would print on every run.
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
 
 
 @dataclass(frozen=True)
@@ -60,13 +65,14 @@ class _BlockSparseMatmul(torch.autograd.Function):
     def forward(ctx, values: Tensor, weight: Tensor, plan: _BlockPlan) -> Tensor:
         ctx.plan = plan
         ctx.save_for_backward(values)
-        return torch.sparse_csr_tensor(plan.crow, plan.col, values, plan.shape) @ weight
+        return torch.sparse_csr_tensor(plan.crow, plan.col, values, plan.shape, check_invariants=False) @ weight
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (values,) = ctx.saved_tensors
         plan = ctx.plan
-        transpose = torch.sparse_csr_tensor(plan.t_crow, plan.t_col, values[plan.t_perm], plan.t_shape)
+        transpose = torch.sparse_csr_tensor(plan.t_crow, plan.t_col, values[plan.t_perm], plan.t_shape,
+                                            check_invariants=False)
         return None, transpose @ grad, None
 
 

@@ -10,7 +10,10 @@ import time
 from pathlib import Path
 from typing import Iterator, Mapping
 
-import mlflow
+# The machines here have no internet, and a pipeline should not phone home: no usage telemetry.
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+import mlflow  # noqa: E402  (after the telemetry switch, which MLflow reads when it starts)
 from filelock import FileLock
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient

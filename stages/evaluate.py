@@ -2,8 +2,8 @@
 
     python -m stages.evaluate --data data/prepared/cora --train data/train --out data/eval
 
-Writes `metrics.json` (for `dvc metrics show`) and `predictions.csv` (test nodes, for the
-confusion-matrix plot). The metrics go into the train stage's run, so one configuration is one row.
+Writes `metrics.json` (for `dvc metrics show`), `per_class.json` (test precision, recall,
+F1 and support per class) and `predictions.csv` (test nodes, for the confusion-matrix plot). The metrics go into the train stage's run, so one configuration is one row.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def run() -> None:
         mlflow.log_dict({"labels": classes, "rows_actual_columns_predicted": confusion}, "confusion_matrix.json")
         mlflow.log_dict(per_class, "per_class.json")
 
-    write_json(args.out / "metrics.json", {**metrics, "per_class": per_class})
+    write_json(args.out / "metrics.json", metrics)
+    write_json(args.out / "per_class.json", per_class)
     write_csv(args.out / "predictions.csv", [{"node": int(n), "actual": int(a), "predicted": int(p)}
                                              for n, a, p in zip(tensors.test_idx, actual, predicted)])
     print(f"{dataset}: test accuracy {metrics['test_acc']:.4f}, validation {metrics['val_acc']:.4f} -> {args.out}")

@@ -35,7 +35,9 @@ def run() -> None:
     tensors = GraphTensors.from_graph(graph, device)
     torch.manual_seed(settings.seed)  # nothing should draw from it, but a stray draw stays reproducible
 
-    with stage_run(TRAIN_EXPERIMENT, tags=standard_tags(settings.dataset, meta["source_sha256"])) as active:
+    tags = standard_tags(settings.dataset, meta["source_sha256"])
+    run_name = f"{settings.dataset}-{tags.get('dvc_exp_name', f'seed{settings.seed}')}"
+    with stage_run(TRAIN_EXPERIMENT, run_name, tags) as active:
         # Every value that shapes this run, with params.yaml's dotted keys, so runs compare column by column.
         mlflow.log_params(flatten({"datasets": params.datasets, "download": params.download,
                                    "preprocess": params.preprocess, "model": params.model, "train": settings}))
@@ -59,8 +61,10 @@ def run() -> None:
         model = result.model.cpu()
         classifier = NodeClassifier(model, tensors.x.to("cpu"), tensors.neighbourhoods.to("cpu"))
         example = graph.test_idx[:5]
+        # Pickle, not MLflow's default pt2 export, which cannot trace sparse CSR tensors; gat/ travels with it.
         mlflow.pytorch.log_model(
-            classifier, name="model", code_paths=["gat"], input_example=example.numpy(),
+            classifier, name="model", code_paths=["gat"], serialization_format="pickle",
+            input_example=example.numpy(), pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
             signature=mlflow.models.infer_signature(example.numpy(), classifier(example).numpy()))
 
         buffer = io.BytesIO()
