@@ -165,17 +165,23 @@ class GraphAttentionLayer(nn.Module):
         for bias in (self.b_target, self.b_source, self.bias):
             bias.zero_()
 
+    def _plan(self, x: SparseFeatures, blocks: int) -> _BlockPlan:
+        key = (x.crow.data_ptr(), x.nnz, blocks, str(x.crow.device))
+        if key not in self._plans:
+            self._plans[key] = _BlockPlan.build(x, blocks)
+        return self._plans[key]
+
     def _transform(self, h: Tensor | SparseFeatures, noise: ReplicaDropout | None) -> Tensor:
         """g = W^k · dropout_k(h) for every replica and head: [N, R·H, F']."""
         R, H, F_out = self.n_replicas, self.n_heads, self.n_hidden
         if isinstance(h, SparseFeatures):
-            values = h.values.expand(R, H, h.nnz)
-            if noise is not None:
-                values = values * noise.keep(H, h.nnz, device=h.values.device)
-            key = (h.crow.data_ptr(), h.nnz, R * H, str(h.crow.device))
-            if key not in self._plans:
-                self._plans = {key: _BlockPlan.build(h, R * H)}
-            g = _BlockSparseMatmul.apply(values.reshape(-1), self.W.reshape(-1, F_out), self._plans[key])
+            if noise is None:
+                # No dropout: every replica and head sees the same x, so one wide product x @ [W_1 ... W_B].
+                wide = self.W.permute(2, 0, 1, 3).reshape(h.num_features, R * H * F_out)
+                return _BlockSparseMatmul.apply(h.values, wide, self._plan(h, 1)).view(h.num_nodes, R * H, F_out)
+            # Dropout: block b multiplies x under its own mask, diag(x ∘ m_1, ..., x ∘ m_B) @ [W_1; ...; W_B].
+            values = h.values * noise.keep(H, h.nnz, device=h.values.device)
+            g = _BlockSparseMatmul.apply(values.reshape(-1), self.W.reshape(-1, F_out), self._plan(h, R * H))
             return g.view(R * H, h.num_nodes, F_out).transpose(0, 1).contiguous()
         N = h.shape[0]
         h = h.transpose(0, 1).unsqueeze(1)  # [R, 1, N, F_in]: one input, a mask per head

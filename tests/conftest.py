@@ -20,6 +20,7 @@ For other test modules:
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import http.server
 import io
@@ -221,22 +222,24 @@ class _Server(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
 
 
-@pytest.fixture
-def serve_folder() -> Iterator[Callable[..., LoopbackServer]]:
-    servers: list[_Server] = []
-
-    def serve(folder: Path, faults: dict[str, list[str]] | None = None) -> LoopbackServer:
-        state = LoopbackServer(base_url="", faults={name: list(queue) for name, queue in (faults or {}).items()})
-        server = _Server(Path(folder), state)
-        state.base_url = f"http://127.0.0.1:{server.server_address[1]}/data"
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        servers.append(server)
-        return state
-
-    yield serve
-    for server in servers:
+@contextlib.contextmanager
+def serving(folder: Path, faults: dict[str, list[str]] | None = None) -> Iterator[LoopbackServer]:
+    """Serve `folder` on 127.0.0.1 for the duration of the block."""
+    state = LoopbackServer(base_url="", faults={name: list(queue) for name, queue in (faults or {}).items()})
+    server = _Server(Path(folder), state)
+    state.base_url = f"http://127.0.0.1:{server.server_address[1]}/data"
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield state
+    finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def serve_folder() -> Iterator[Callable[..., LoopbackServer]]:
+    with contextlib.ExitStack() as stack:
+        yield lambda folder, faults=None: stack.enter_context(serving(folder, faults))
 
 
 @pytest.fixture
