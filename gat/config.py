@@ -164,11 +164,12 @@ class TrainParams:
 
 @dataclass(frozen=True)
 class ReproduceParams:
-    """`seeds` independent runs per dataset, trained `seeds_per_batch` at a time in one batched model."""
+    """`seeds` independent runs per dataset, `seeds_per_batch` per batched model, on `workers` processes (0: one per core)."""
 
     seeds: int
     first_seed: int
     seeds_per_batch: int
+    workers: int
     device: Literal["auto", "cpu", "cuda"]
     hyperparameters: dict[str, OptimConfig]
 
@@ -176,6 +177,7 @@ class ReproduceParams:
         _in_range(self.seeds, f"{p}.seeds", 2, 100_000)
         _in_range(self.first_seed, f"{p}.first_seed", 0, 2**62)
         _in_range(self.seeds_per_batch, f"{p}.seeds_per_batch", 1, 1024)
+        _in_range(self.workers, f"{p}.workers", 0, 1024)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -10,20 +11,27 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class Neighbourhoods:
-    """Every node's incoming edges, self-loop included, sorted by target.
+    """The incoming edges of a set of target nodes, self-loops included, sorted by target.
 
-    Sorting by target makes each node's neighbourhood one contiguous segment, so the
-    softmax over a neighbourhood is a segment max, an exp and a segment sum.
+    Sorting by target makes each target's neighbourhood one contiguous segment, so the
+    softmax over a neighbourhood is a segment max, an exp and a segment sum, and the
+    aggregation is one CSR product.
+
+    Usually sources and targets are the same N nodes. :func:`receptive_field` cuts out the
+    edges that a few output nodes depend on: then the sources are a superset of the targets
+    (every target is its own neighbour), and `target_in_source` locates each target among them.
 
     Shapes:
-        source: [E] the neighbour j of each edge j -> i
-        target: [E] the receiving node i, non-decreasing
-        num_nodes: N
+        source: [E] index of the neighbour j of each edge j -> i, in [0, num_sources)
+        target: [E] index of the receiving node i, in [0, num_targets), non-decreasing
+        target_in_source: [num_targets], or None when sources and targets are the same nodes
     """
 
     source: Tensor
     target: Tensor
-    num_nodes: int
+    num_targets: int
+    num_sources: int
+    target_in_source: Tensor | None = None
 
     @classmethod
     def from_edge_index(cls, edge_index: Tensor, num_nodes: int) -> "Neighbourhoods":
@@ -39,14 +47,55 @@ class Neighbourhoods:
         target = torch.cat([target[keep], loops])
         # One key per (target, source) pair: sorting it groups neighbourhoods; unique drops duplicates.
         key = torch.unique(target * num_nodes + source)
-        return cls(source=key % num_nodes, target=key // num_nodes, num_nodes=num_nodes)
+        return cls(source=key % num_nodes, target=key // num_nodes, num_targets=num_nodes, num_sources=num_nodes)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_targets
 
     @property
     def num_edges(self) -> int:
         return int(self.source.numel())
 
+    @functools.cached_property
+    def degree(self) -> Tensor:
+        """Incoming edges per target, self-loop included (the segment lengths): [num_targets]."""
+        return torch.bincount(self.target, minlength=self.num_targets)
+
+    @functools.cached_property
+    def crow(self) -> Tensor:
+        """CSR row pointers of the adjacency with rows = targets, columns = sources: [num_targets + 1]."""
+        return torch.cat([self.target.new_zeros(1), self.degree.cumsum(0)])
+
     def to(self, device: torch.device | str) -> "Neighbourhoods":
-        return Neighbourhoods(self.source.to(device), self.target.to(device), self.num_nodes)
+        moved = None if self.target_in_source is None else self.target_in_source.to(device)
+        return Neighbourhoods(self.source.to(device), self.target.to(device), self.num_targets, self.num_sources, moved)
+
+
+def receptive_field(graph: Neighbourhoods, nodes: Tensor, layers: int) -> tuple[Tensor, list[Neighbourhoods]]:
+    """The part of a square graph that `layers` attention layers read to compute `nodes`' outputs.
+
+    A loss on 140 training nodes of Cora depends on 644 nodes' first-layer outputs and on
+    1,664 nodes' features: computing only those is exact and does a third of the work.
+
+    Returns:
+        inputs: [N_0] sorted ids of the nodes whose features the first layer reads
+        blocks: one per layer, first layer first; block l's targets are block l+1's sources,
+            and the last block's targets are `nodes`, sorted.
+    """
+    targets = torch.unique(nodes)
+    blocks = []
+    for _ in range(layers):
+        lookup = torch.full((graph.num_targets,), -1, dtype=torch.long, device=nodes.device)
+        lookup[targets] = torch.arange(targets.numel(), device=nodes.device)
+        into = lookup[graph.target] >= 0
+        sources = torch.unique(graph.source[into])  # includes the targets: every node has a self-loop
+        source_lookup = torch.full_like(lookup, -1)
+        source_lookup[sources] = torch.arange(sources.numel(), device=nodes.device)
+        blocks.append(Neighbourhoods(source_lookup[graph.source[into]], lookup[graph.target[into]],
+                                     targets.numel(), sources.numel(), source_lookup[targets]))
+        targets = sources
+    return targets, blocks[::-1]
 
 
 @dataclass(frozen=True)
@@ -77,6 +126,15 @@ class SparseFeatures:
     @property
     def nnz(self) -> int:
         return int(self.values.numel())
+
+    def rows(self, nodes: Tensor) -> "SparseFeatures":
+        """The features of `nodes` only, in that order: [len(nodes), F_in]."""
+        starts, lengths = self.crow[nodes], self.crow.diff()[nodes]
+        crow = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        # The position of every kept entry in the full value array, row after row.
+        offsets = torch.arange(int(crow[-1]), device=nodes.device) - torch.repeat_interleave(crow[:-1], lengths)
+        index = torch.repeat_interleave(starts, lengths) + offsets
+        return SparseFeatures(crow, self.col[index], self.values[index], self.num_features)
 
     def to_dense(self) -> Tensor:
         """x: [N, F_in]."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -21,14 +22,17 @@ warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta"
 
 @dataclass(frozen=True)
 class _BlockPlan:
-    """Index structure of the block-diagonal matrix diag(x ∘ m_1, ..., x ∘ m_B) and of its transpose.
+    """Index structure of a block-diagonal CSR matrix diag(M_1, ..., M_B) and of its transpose.
 
-    Block b holds the input features under replica-head b's dropout mask. The structure is
-    fixed; only the values change per step, so it is built once per batch size.
+    Every block shares the sparsity pattern of one base matrix M (the features x, or the
+    neighbourhoods' adjacency); only the values differ per block and per step, so the
+    structure is built once. Values are laid out block after block, each in M's CSR order.
     """
 
     crow: Tensor
     col: Tensor
+    rows: Tensor     # the block row of every stored value: [B·nnz]
+    lengths: Tensor  # stored values per block row: [B·n]
     shape: tuple[int, int]
     t_crow: Tensor
     t_col: Tensor
@@ -36,60 +40,105 @@ class _BlockPlan:
     t_shape: tuple[int, int]
 
     @classmethod
-    def build(cls, x: SparseFeatures, blocks: int) -> "_BlockPlan":
-        n, f, nnz = x.num_nodes, x.num_features, x.nnz
-        row = torch.repeat_interleave(torch.arange(n, device=x.col.device), x.crow.diff())
-        order = torch.argsort(x.col * n + row)  # CSR of x^T: entries sorted by (column, row)
-        t_crow = torch.zeros(f + 1, dtype=torch.long, device=x.col.device)
-        t_crow[1:] = torch.bincount(x.col, minlength=f).cumsum(0)
-        offsets = torch.arange(blocks, device=x.col.device)[:, None]
+    def build(cls, crow: Tensor, col: Tensor, num_cols: int, blocks: int) -> "_BlockPlan":
+        n, nnz = crow.numel() - 1, col.numel()
+        row = torch.repeat_interleave(torch.arange(n, device=col.device), crow.diff())
+        order = torch.argsort(col * n + row)  # CSR of M^T: entries sorted by (column, row)
+        t_crow = torch.zeros(num_cols + 1, dtype=torch.long, device=col.device)
+        t_crow[1:] = torch.bincount(col, minlength=num_cols).cumsum(0)
+        offsets = torch.arange(blocks, device=col.device)[:, None]
 
-        def stack(pointers: Tensor, step: int) -> Tensor:
-            return torch.cat([(pointers[:-1] + offsets * step).reshape(-1), pointers.new_tensor([blocks * step])])
+        def stack(pointers: Tensor) -> Tensor:
+            return torch.cat([(pointers[:-1] + offsets * nnz).reshape(-1), pointers.new_tensor([blocks * nnz])])
 
-        return cls(
-            crow=stack(x.crow, nnz), col=(x.col + offsets * f).reshape(-1), shape=(blocks * n, blocks * f),
-            t_crow=stack(t_crow, nnz), t_col=(row[order] + offsets * n).reshape(-1),
-            t_perm=(order + offsets * nnz).reshape(-1), t_shape=(blocks * f, blocks * n),
-        )
+        return cls(crow=stack(crow), col=(col + offsets * num_cols).reshape(-1), rows=(row + offsets * n).reshape(-1),
+                   lengths=crow.diff().repeat(blocks), shape=(blocks * n, blocks * num_cols), t_crow=stack(t_crow),
+                   t_col=(row[order] + offsets * n).reshape(-1), t_perm=(order + offsets * nnz).reshape(-1),
+                   t_shape=(blocks * num_cols, blocks * n))
+
+    def matrix(self, values: Tensor) -> Tensor:
+        return torch.sparse_csr_tensor(self.crow32, self.col32, values, self.shape, check_invariants=False)
+
+    def transpose(self, values: Tensor) -> Tensor:
+        return torch.sparse_csr_tensor(self.t_crow32, self.t_col32, values.index_select(0, self.t_perm),
+                                       self.t_shape, check_invariants=False)
+
+    # MKL's sparse kernels take 32-bit indices; int64 ones are converted on every call.
+    @functools.cached_property
+    def crow32(self) -> Tensor:
+        return self.crow.int()
+
+    @functools.cached_property
+    def col32(self) -> Tensor:
+        return self.col.int()
+
+    @functools.cached_property
+    def t_crow32(self) -> Tensor:
+        return self.t_crow.int()
+
+    @functools.cached_property
+    def t_col32(self) -> Tensor:
+        return self.t_col.int()
 
 
 class _BlockSparseMatmul(torch.autograd.Function):
-    """diag(x ∘ m_b) @ W with CSR kernels both ways; the gradient goes to W only (x is data).
+    """diag(M_1, ..., M_B) @ D with CSR kernels, forward and backward.
 
-    The backward uses the precomputed transpose instead of autograd's sparse transpose,
-    which rebuilds the structure every step and costs more than the product itself.
+    The gradient of D is the product with the precomputed transpose (autograd's own sparse
+    transpose rebuilds the structure every step and costs more than the product). The
+    gradient of the values, when they need one (attention coefficients, not input features),
+    is the sampled product grad @ D^T at the stored positions only: O(nnz·F'), where gathering
+    both sides per edge would move E·B·F' floats through memory twice.
     """
 
     @staticmethod
-    def forward(ctx, values: Tensor, weight: Tensor, plan: _BlockPlan) -> Tensor:
+    def forward(ctx, values: Tensor, dense: Tensor, plan: _BlockPlan) -> Tensor:
         ctx.plan = plan
-        ctx.save_for_backward(values)
-        return torch.sparse_csr_tensor(plan.crow, plan.col, values, plan.shape, check_invariants=False) @ weight
+        ctx.save_for_backward(values, dense)
+        return plan.matrix(values) @ dense
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (values,) = ctx.saved_tensors
+        values, dense = ctx.saved_tensors
         plan = ctx.plan
-        transpose = torch.sparse_csr_tensor(plan.t_crow, plan.t_col, values[plan.t_perm], plan.t_shape,
-                                            check_invariants=False)
-        return None, transpose @ grad, None
+        grad_values = None
+        if ctx.needs_input_grad[0]:
+            grad_values = torch.sparse.sampled_addmm(plan.matrix(values), grad, dense.t(), beta=0.0).values()
+        return grad_values, plan.transpose(values) @ grad, None
 
 
-def segment_softmax(e: Tensor, target: Tensor, num_nodes: int) -> Tensor:
-    """Softmax of edge scores over each target's incoming edges.
+class _AddBias(torch.autograd.Function):
+    """out + bias, with the bias gradient summed along a contiguous innermost axis.
 
-    Subtracting each neighbourhood's max keeps exp() from overflowing; it is detached
-    because softmax is invariant to the shift, so its gradient would cancel anyway.
+    Autograd's own reduction over the node axis picks its vectorisation by the whole
+    tensor's shape, so a replica's bias gradient would change in its last bits with the
+    number of replicas beside it; one contiguous row per (replica, head, feature) doesn't.
+
+    Shapes: out: [R, H, N, F'], bias: [R, H, F']
+    """
+
+    @staticmethod
+    def forward(ctx, out: Tensor, bias: Tensor) -> Tensor:
+        return out + bias.unsqueeze(2)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, grad.transpose(2, 3).contiguous().sum(-1)
+
+
+def segment_softmax(e: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
+    """Softmax of scores grouped in contiguous segments (one per target node and block).
+
+    Subtracting each segment's max keeps exp() from overflowing; it is detached because
+    softmax is invariant to the shift, so its gradient would cancel anyway.
 
     Shapes:
-        e: [E, B], target: [E] -> [E, B]
+        e: [S] scores, segment after segment; lengths: [G] segment sizes; rows: [S] segment of each score
     """
-    shift = e.new_full((num_nodes, e.shape[1]), -math.inf)
-    shift.scatter_reduce_(0, target.unsqueeze(1).expand_as(e), e.detach(), "amax")
-    exp = (e - shift.index_select(0, target)).exp()
-    denominator = e.new_zeros(num_nodes, e.shape[1]).index_add_(0, target, exp)
-    return exp / denominator.index_select(0, target)
+    shift = torch.segment_reduce(e.detach(), "max", lengths=lengths, unsafe=True)
+    exp = (e - shift.index_select(0, rows)).exp()
+    denominator = torch.segment_reduce(exp, "sum", lengths=lengths, unsafe=True)
+    return exp / denominator.index_select(0, rows)
 
 
 class GraphAttentionLayer(nn.Module):
@@ -123,8 +172,8 @@ class GraphAttentionLayer(nn.Module):
         n_replicas: R independent copies of every parameter (one per seed).
 
     Shapes:
-        h: [N, R, F_in] dense, or :class:`SparseFeatures` x: [N, F_in] shared by all replicas
-        output: [N, R, H·F'] if `is_concat`, else [N, R, F']
+        h: [N_src, R, F_in] dense, or :class:`SparseFeatures` x: [N_src, F_in] shared by all replicas
+        output: [N_dst, R, H·F'] if `is_concat`, else [N_dst, R, F']  (N_src = N_dst = N on a whole graph)
     """
 
     def __init__(self, in_features: int, out_features: int, n_heads: int, is_concat: bool = True,
@@ -165,52 +214,61 @@ class GraphAttentionLayer(nn.Module):
         for bias in (self.b_target, self.b_source, self.bias):
             bias.zero_()
 
-    def _plan(self, x: SparseFeatures, blocks: int) -> _BlockPlan:
-        key = (x.crow.data_ptr(), x.nnz, blocks, str(x.crow.device))
+    def _plan(self, crow: Tensor, col: Tensor, num_cols: int, blocks: int) -> _BlockPlan:
+        key = (crow.data_ptr(), col.numel(), blocks, str(crow.device))
         if key not in self._plans:
-            self._plans[key] = _BlockPlan.build(x, blocks)
+            self._plans[key] = _BlockPlan.build(crow, col, num_cols, blocks)
         return self._plans[key]
 
     def _transform(self, h: Tensor | SparseFeatures, noise: ReplicaDropout | None) -> Tensor:
-        """g = W^k · dropout_k(h) for every replica and head: [N, R·H, F']."""
+        """g = W^k · dropout_k(h) for every replica and head: [R·H, N, F']."""
         R, H, F_out = self.n_replicas, self.n_heads, self.n_hidden
         if isinstance(h, SparseFeatures):
             if noise is None:
                 # No dropout: every replica and head sees the same x, so one wide product x @ [W_1 ... W_B].
                 wide = self.W.permute(2, 0, 1, 3).reshape(h.num_features, R * H * F_out)
-                return _BlockSparseMatmul.apply(h.values, wide, self._plan(h, 1)).view(h.num_nodes, R * H, F_out)
+                plan = self._plan(h.crow, h.col, h.num_features, 1)
+                g = _BlockSparseMatmul.apply(h.values, wide, plan)
+                return g.view(h.num_nodes, R * H, F_out).transpose(0, 1).contiguous()
             # Dropout: block b multiplies x under its own mask, diag(x ∘ m_1, ..., x ∘ m_B) @ [W_1; ...; W_B].
             values = h.values * noise.keep(H, h.nnz, device=h.values.device)
-            g = _BlockSparseMatmul.apply(values.reshape(-1), self.W.reshape(-1, F_out), self._plan(h, R * H))
-            return g.view(R * H, h.num_nodes, F_out).transpose(0, 1).contiguous()
+            plan = self._plan(h.crow, h.col, h.num_features, R * H)
+            g = _BlockSparseMatmul.apply(values.reshape(-1), self.W.reshape(-1, F_out), plan)
+            return g.view(R * H, h.num_nodes, F_out)
         N = h.shape[0]
         h = h.transpose(0, 1).unsqueeze(1)  # [R, 1, N, F_in]: one input, a mask per head
         if noise is not None:
             h = h * noise.keep(H, N, h.shape[-1], device=h.device)
-        return torch.matmul(h, self.W).view(R * H, N, F_out).transpose(0, 1).contiguous()
+        return torch.matmul(h, self.W).view(R * H, N, F_out)
 
     def forward(self, h: Tensor | SparseFeatures, neighbourhoods: Neighbourhoods,
                 noise: ReplicaDropout | None = None) -> Tensor:
-        """`noise` draws the dropout masks; None means evaluation (no dropout)."""
+        """`noise` draws the dropout masks; None means evaluation (no dropout).
+
+        `h` holds the features of the neighbourhoods' sources; the output is for its targets.
+        """
         R, H, F_out = self.n_replicas, self.n_heads, self.n_hidden
-        N, source, target = neighbourhoods.num_nodes, neighbourhoods.source, neighbourhoods.target
-        g = self._transform(h, noise)  # [N, B, F'], B = R·H; node-major so edges gather whole rows
+        B, n_targets, n_sources = R * H, neighbourhoods.num_targets, neighbourhoods.num_sources
+        g = self._transform(h, noise)  # [B, n_sources, F'], B = R·H blocks of (replica, head)
+        attention = self._plan(neighbourhoods.crow, neighbourhoods.source, n_sources, B)
 
         # a^T [g_i || g_j] = a_1·g_i + a_2·g_j: score each node once, then gather to edges (O(E), not O(N²)).
-        score_target = (g * self.a_target.view(R * H, F_out)).sum(-1) + self.b_target.view(R * H)
-        score_source = (g * self.a_source.view(R * H, F_out)).sum(-1) + self.b_source.view(R * H)
-        e = F.leaky_relu(score_target.index_select(0, target) + score_source.index_select(0, source),
-                         self.negative_slope)  # [E, B]
-        alpha = segment_softmax(e, target, N)
+        a = torch.stack([self.a_target, self.a_source], dim=-1).view(B, F_out, 2)
+        scores = torch.bmm(g, a) + torch.stack([self.b_target, self.b_source], dim=-1).view(B, 1, 2)
+        score_target, score_source = scores.unbind(-1)  # [B, n_sources] each
+        if neighbourhoods.target_in_source is not None:
+            score_target = score_target.index_select(1, neighbourhoods.target_in_source)
+        e = F.leaky_relu(score_target.index_select(1, neighbourhoods.target)
+                         + score_source.index_select(1, neighbourhoods.source), self.negative_slope)
+        alpha = segment_softmax(e.view(-1), attention.lengths, attention.rows)  # [B·E]
 
         if noise is not None:
-            E = alpha.shape[0]
-            alpha = alpha * noise.keep(E, H, device=alpha.device).transpose(0, 1).reshape(E, R * H)
-            g = g * noise.keep(N, H, F_out, device=g.device).transpose(0, 1).reshape(N, R * H, F_out)
+            alpha = alpha * noise.keep(H, neighbourhoods.num_edges, device=alpha.device).view(-1)
+            g = g * noise.keep(H, n_sources, F_out, device=g.device).view(B, n_sources, F_out)
 
-        # h'_i = Σ_j α_ij g_j: weight each neighbour's features on its edge, sum per target.
-        messages = alpha.unsqueeze(-1) * g.index_select(0, source)  # [E, B, F']
-        out = g.new_zeros(N, R * H, F_out).index_add_(0, target, messages) + self.bias.view(R * H, F_out)
+        # h'_i = Σ_j α_ij g_j for all blocks at once: a block-diagonal sparse-dense product.
+        out = _BlockSparseMatmul.apply(alpha, g.reshape(B * n_sources, F_out), attention)
+        out = _AddBias.apply(out.view(R, H, n_targets, F_out), self.bias)
         if self.is_concat:
-            return out.view(N, R, H * F_out)
-        return out.view(N, R, H, F_out).mean(dim=2)
+            return out.permute(2, 0, 1, 3).reshape(n_targets, R, H * F_out)
+        return out.mean(dim=1).transpose(0, 1)

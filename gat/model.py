@@ -23,8 +23,8 @@ class GAT(nn.Module):
     is built alone or in a batch.
 
     Shapes:
-        x: :class:`SparseFeatures` [N, F_in]
-        output: logits [N, R, C]
+        x: :class:`SparseFeatures` [N, F_in] (or the first block's sources)
+        output: logits [N, R, C] (or [N_out, R, C] for the last block's N_out targets)
     """
 
     def __init__(self, config: ModelConfig, in_features: int, num_classes: int, seeds: Sequence[int]):
@@ -46,9 +46,14 @@ class GAT(nn.Module):
     def n_replicas(self) -> int:
         return self.hidden.n_replicas
 
-    def forward(self, x: SparseFeatures, neighbourhoods: Neighbourhoods, noise: ReplicaDropout | None = None) -> Tensor:
-        h = F.elu(self.hidden(x, neighbourhoods, noise))
-        return self.output(h, neighbourhoods, noise)
+    n_layers = 2
+
+    def forward(self, x: SparseFeatures, neighbourhoods: Neighbourhoods | Sequence[Neighbourhoods],
+                noise: ReplicaDropout | None = None) -> Tensor:
+        """Logits of every node, or, given one block per layer (gat.graph.receptive_field), of the last block's targets."""
+        first, second = [neighbourhoods] * 2 if isinstance(neighbourhoods, Neighbourhoods) else neighbourhoods
+        h = F.elu(self.hidden(x, first, noise))
+        return self.output(h, second, noise)
 
     @torch.no_grad()
     def keep_replicas(self, replicas: Tensor) -> None:
