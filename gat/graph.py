@@ -139,7 +139,7 @@ class SparseFeatures:
     def to_dense(self) -> Tensor:
         """x: [N, F_in]."""
         shape = (self.num_nodes, self.num_features)
-        return torch.sparse_csr_tensor(self.crow, self.col, self.values, shape).to_dense()
+        return torch.sparse_csr_tensor(self.crow, self.col, self.values, shape, check_invariants=False).to_dense()
 
     def to(self, device: torch.device | str) -> "SparseFeatures":
         return SparseFeatures(self.crow.to(device), self.col.to(device), self.values.to(device), self.num_features)

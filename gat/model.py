@@ -15,6 +15,17 @@ from gat.graph import Neighbourhoods, SparseFeatures
 from gat.layers import GraphAttentionLayer
 
 
+def _elu(x: Tensor) -> Tensor:
+    """ELU, with kernels that round each element the same way whatever the tensor's size and layout.
+
+    `F.elu`'s CPU kernel takes libm's exp in the scalar remainder of its vectorised loop (and on a
+    non-contiguous gradient, which the next layer's transpose makes for R > 1) and Sleef's exp
+    elsewhere, so a replica's activations and gradients changed in their last bits with the number
+    of replicas beside it. `expm1` is vectorised throughout; `where` and `clamp` are exact.
+    """
+    return torch.where(x > 0, x, torch.expm1(x.clamp(max=0)))
+
+
 class GAT(nn.Module):
     """K heads of F' features, concatenated, ELU; then `output_heads` heads of C classes, averaged.
 
@@ -52,7 +63,7 @@ class GAT(nn.Module):
                 noise: ReplicaDropout | None = None) -> Tensor:
         """Logits of every node, or, given one block per layer (gat.graph.receptive_field), of the last block's targets."""
         first, second = [neighbourhoods] * 2 if isinstance(neighbourhoods, Neighbourhoods) else neighbourhoods
-        h = F.elu(self.hidden(x, first, noise))
+        h = _elu(self.hidden(x, first, noise))
         return self.output(h, second, noise)
 
     @torch.no_grad()

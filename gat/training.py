@@ -118,7 +118,9 @@ def loss_and_accuracy(logits: Tensor, labels: Tensor, index: Tensor) -> tuple[Te
     target = labels.index_select(0, index)
     loss = F.cross_entropy(picked.reshape(M * R, C), target.repeat_interleave(R), reduction="none").view(M, R)
     accuracy = (picked.argmax(-1) == target.unsqueeze(1)).sum(0).double() / M
-    return loss.mean(0), accuracy
+    # Mean along a contiguous row per replica: a mean over dim 0 of [M, R] is vectorised by R, so its
+    # rounding, and with it early stopping, would depend on how many replicas share the batch.
+    return loss.t().contiguous().mean(-1), accuracy
 
 
 @torch.no_grad()

@@ -1,0 +1,132 @@
+"""gat.config: params.yaml loads, and every kind of bad value is refused with its dotted key named."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gat.config import DATASETS, ModelConfig, OptimConfig, Params, ParamsError, flatten
+
+PARAMS_YAML = Path(__file__).resolve().parents[1] / "params.yaml"
+
+
+@pytest.fixture(scope="module")
+def raw() -> dict[str, Any]:
+    return yaml.safe_load(PARAMS_YAML.read_text())
+
+
+def test_the_repository_params_load(raw) -> None:
+    params = Params.from_dict(raw)
+    assert set(params.datasets) <= set(DATASETS)
+    assert isinstance(params.model, ModelConfig) and isinstance(params.train.optim, OptimConfig)
+    assert set(params.reproduce.hyperparameters) == set(params.datasets)
+    assert all(isinstance(h, OptimConfig) for h in params.reproduce.hyperparameters.values())
+    assert isinstance(params.train.lr, float) and isinstance(params.download.timeout_s, float)  # int -> float
+    assert isinstance(params.datasets, tuple)
+
+
+def _set(raw: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    changed = copy.deepcopy(raw)
+    *path, last = dotted.split(".")
+    node = changed
+    for key in path:
+        node = node[key]
+    node[last] = value
+    return changed
+
+
+def _delete(raw: dict[str, Any], dotted: str) -> dict[str, Any]:
+    changed = copy.deepcopy(raw)
+    *path, last = dotted.split(".")
+    node = changed
+    for key in path:
+        node = node[key]
+    del node[last]
+    return changed
+
+
+def _refused(raw: dict[str, Any], key: str) -> str:
+    with pytest.raises(ParamsError) as error:
+        Params.from_dict(raw)
+    message = str(error.value)
+    assert re.search(f"`{re.escape(key)}`", message), message
+    return message
+
+
+@pytest.mark.parametrize("key", ["train.lr", "model.heads", "reproduce.hyperparameters.cora.patience",
+                                 "download.base_url", "reproduce.seeds_per_batch"])
+def test_a_missing_key_is_named(raw, key: str) -> None:
+    assert "missing" in _refused(_delete(raw, key), key)
+
+
+@pytest.mark.parametrize("key", ["train.momentum", "model.layers", "reproduce.hyperparameters.cora.betas", "extra"])
+def test_an_unknown_key_is_named(raw, key: str) -> None:
+    assert "not a known key" in _refused(_set(raw, key, 1), key)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("train.lr", "0.005"),                      # str for float
+    ("train.lr", True),                         # bool for float
+    ("train.patience", True),                   # bool for int
+    ("train.max_epochs", 100.0),                # float for int
+    ("model.heads", 8.5),
+    ("reproduce.hyperparameters.citeseer.weight_decay", "5e-4"),
+    ("download.base_url", 42),                  # int for str
+    ("datasets", "cora"),                       # str for list
+])
+def test_a_wrong_type_is_named(raw, key: str, value: Any) -> None:
+    _refused(_set(raw, key, value), key)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("train.lr", 0.0),
+    ("train.lr", -0.005),
+    ("model.dropout", 1.0),
+    ("model.dropout", -0.1),
+    ("train.patience", 0),
+    ("reproduce.hyperparameters.cora.patience", 0),
+    ("reproduce.hyperparameters.cora.lr", 0),
+    ("model.hidden_features", 0),
+    ("reproduce.seeds", 1),
+    ("download.base_url", "ftp://example.org/data"),
+])
+def test_an_out_of_range_value_is_named(raw, key: str, value: Any) -> None:
+    _refused(_set(raw, key, value), key)
+
+
+def test_a_dataset_outside_the_list_is_named(raw) -> None:
+    assert "pubmed" in _refused(_set(raw, "datasets", ["cora", "pubmed"]), "datasets[1]")
+    _refused(_set(raw, "train.dataset", "pubmed"), "train.dataset")
+    # In DATASETS but not in `datasets`: training it would use data that was never prepared.
+    only_cora = _set(raw, "datasets", ["cora"])
+    _refused(_set(only_cora, "train.dataset", "citeseer"), "train.dataset")
+    _refused(_delete(raw, "reproduce.hyperparameters.citeseer"), "reproduce.hyperparameters.citeseer")
+
+
+@pytest.mark.parametrize("key,value", [("preprocess.split", "foo"), ("train.device", "tpu"),
+                                       ("reproduce.device", "tpu")])
+def test_a_bad_choice_is_named(raw, key: str, value: str) -> None:
+    message = _refused(_set(raw, key, value), key)
+    assert repr(value) in message
+
+
+def test_flatten_gives_dotted_keys(raw) -> None:
+    params = Params.from_dict(raw)
+    flat = flatten(params)
+    assert flat["train.lr"] == params.train.lr
+    assert flat["model.heads"] == params.model.heads
+    assert flat["reproduce.hyperparameters.cora.patience"] == params.reproduce.hyperparameters["cora"].patience
+    assert flat["datasets"] == ",".join(params.datasets)
+    assert all(not isinstance(value, (dict, list, tuple)) for value in flat.values())
+    # One flat key per leaf of params.yaml.
+    def leaves(node: Any, prefix: str = "") -> set[str]:
+        if isinstance(node, dict):
+            return set().union(*(leaves(v, f"{prefix}.{k}" if prefix else k) for k, v in node.items()))
+        return {prefix}
+    assert set(flat) == leaves(raw)
+    assert flatten(params.model, "model") == {k: v for k, v in flat.items() if k.startswith("model.")}

@@ -1,0 +1,350 @@
+"""gat.layers: the edge-wise attention layer against the dense tutorial layer, autograd and PyG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dense_reference import GraphAttentionLayer as DenseLayer
+from dense_reference import adjacency, copy_into, dense_attention
+from gat.dropout import ReplicaDropout
+from gat.graph import Neighbourhoods, SparseFeatures
+from gat.layers import GraphAttentionLayer, segment_softmax
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These tensors are tiny: a second intra-op thread only adds OpenMP overhead, a lot of it on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_graph(num_nodes: int, num_edges: int, seed: int, isolated: int = 2) -> Neighbourhoods:
+    """Random directed edges among all but the last `isolated` nodes (which get only their self-loop).
+
+    The raw edge list holds duplicates and self-loops on purpose: `from_edge_index` must drop them.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    connected = num_nodes - isolated
+    edge_index = torch.randint(0, connected, (2, num_edges), generator=generator)
+    edge_index = torch.cat([edge_index, edge_index[:, :3], torch.tensor([[0, 1], [0, 1]])], dim=1)
+    return Neighbourhoods.from_edge_index(edge_index, num_nodes)
+
+
+def random_features(num_nodes: int, num_features: int, seed: int, density: float = 0.3,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A dense [N, F_in] matrix that is mostly zeros, with one all-zero row."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.rand(num_nodes, num_features, generator=generator, dtype=dtype)
+    x = x * (torch.rand(num_nodes, num_features, generator=generator, dtype=dtype) < density)
+    x[1] = 0
+    return x
+
+
+def randomise(layer: GraphAttentionLayer, seed: int, biases: bool = True) -> GraphAttentionLayer:
+    """Give every parameter, biases included, random values of order one."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in layer.named_parameters():
+            if biases or not name.startswith("b"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+    return layer
+
+
+def as_input(x: torch.Tensor, sparse: bool) -> torch.Tensor | SparseFeatures:
+    return SparseFeatures.from_csr(x) if sparse else x.unsqueeze(1)
+
+
+# The tutorial's dense layer ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-input", "sparse-input"])
+@pytest.mark.parametrize("is_concat,heads", [(True, 1), (True, 3), (False, 1), (False, 4)])
+def test_matches_the_dense_tutorial_layer(is_concat: bool, heads: int, sparse: bool) -> None:
+    for seed in range(3):
+        n, f_in, f_out = 17 + seed, 11, 5
+        neighbourhoods = random_graph(n, 40, seed)
+        x = random_features(n, f_in, seed)
+        torch.manual_seed(seed)
+        reference = DenseLayer(f_in, heads * f_out if is_concat else f_out, heads, is_concat=is_concat,
+                               dropout=0.6, leaky_relu_negative_slope=0.2).eval()
+        with torch.no_grad():  # a larger attention vector than the default init, so α is far from uniform
+            reference.attn.weight.mul_(8)
+        layer = GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads, is_concat=is_concat,
+                                    dropout=0.6, leaky_relu_negative_slope=0.2)
+        copy_into(reference, layer)
+
+        expected = reference(x, adjacency(neighbourhoods))
+        with torch.no_grad():
+            out = layer(as_input(x, sparse), neighbourhoods)
+        assert out.shape == (n, 1, heads * f_out if is_concat else f_out)
+        torch.testing.assert_close(out[:, 0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_isolated_nodes_attend_to_themselves_only() -> None:
+    n = 9
+    neighbourhoods = random_graph(n, 20, seed=4, isolated=3)
+    layer = randomise(GraphAttentionLayer(6, 4, 2), seed=4, biases=False)
+    x = random_features(n, 6, seed=4, density=1.0)
+    with torch.no_grad():
+        out = layer(x.unsqueeze(1), neighbourhoods)
+        g = torch.einsum("nf,hfo->nho", x, layer.W[0]).reshape(n, -1)
+    # α_ii = 1 for a node with no other neighbour: its output is its own transformed features.
+    torch.testing.assert_close(out[-3:, 0], g[-3:])
+
+
+# Replicas ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-input", "sparse-input"])
+@pytest.mark.parametrize("is_concat", [True, False], ids=["concat", "mean"])
+def test_replica_equals_a_one_replica_layer_with_its_parameters(is_concat: bool, sparse: bool) -> None:
+    n, f_in, heads, f_out, replicas = 15, 7, 2, 3, 3
+    neighbourhoods = random_graph(n, 35, seed=5)
+    batch = randomise(GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads, is_concat=is_concat,
+                                          n_replicas=replicas), seed=5)
+    if sparse:
+        x = SparseFeatures.from_csr(random_features(n, f_in, seed=5))
+        inputs = [x] * replicas
+    else:  # a different input per replica, as in the second layer
+        h = torch.randn(n, replicas, f_in, generator=torch.Generator().manual_seed(5))
+        x, inputs = h, [h[:, r:r + 1] for r in range(replicas)]
+    with torch.no_grad():
+        out = batch(x, neighbourhoods)
+    assert out.shape == (n, replicas, heads * f_out if is_concat else f_out)
+    for r in range(replicas):
+        single = GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads, is_concat=is_concat)
+        single.load_state_dict({name: p[r:r + 1] for name, p in batch.state_dict().items()})
+        with torch.no_grad():
+            assert torch.equal(out[:, r:r + 1], single(inputs[r], neighbourhoods)), r
+    assert not torch.allclose(out[:, 0], out[:, 1])  # the replicas' parameters do differ
+
+
+# Gradients --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-input", "sparse-input"])
+@pytest.mark.parametrize("is_concat,heads", [(True, 3), (False, 2)])
+def test_gradients_match_autograd_through_the_dense_formulation(is_concat: bool, heads: int, sparse: bool) -> None:
+    n, f_in, f_out = 13, 9, 4
+    neighbourhoods = random_graph(n, 30, seed=6)
+    x = random_features(n, f_in, seed=6, dtype=torch.float64)
+    layer = randomise(GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads,
+                                          is_concat=is_concat, leaky_relu_negative_slope=0.2).double(), seed=6)
+    assert layer.b_target.abs().min() > 0 and layer.b_source.abs().min() > 0
+    weights = torch.randn(n, heads * f_out if is_concat else f_out, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(7))
+
+    (layer(as_input(x, sparse), neighbourhoods)[:, 0] * weights).sum().backward()
+
+    names = ("W", "a_target", "a_source", "b_target", "b_source", "bias")
+    leaves = {name: getattr(layer, name).detach()[0].clone().requires_grad_() for name in names}
+    expected = dense_attention(x, adjacency(neighbourhoods).double(), **leaves, negative_slope=0.2,
+                               is_concat=is_concat)
+    torch.testing.assert_close(layer(as_input(x, sparse), neighbourhoods)[:, 0], expected, rtol=1e-12, atol=1e-12)
+    (expected * weights).sum().backward()
+    for name in names:
+        gradient = getattr(layer, name).grad[0]
+        assert gradient.abs().max() > 0, name
+        torch.testing.assert_close(gradient, leaves[name].grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_gradcheck_the_whole_layer_on_sparse_input() -> None:
+    n, f_in = 7, 5
+    neighbourhoods = random_graph(n, 14, seed=8, isolated=1)
+    x = SparseFeatures.from_csr(random_features(n, f_in, seed=8, dtype=torch.float64))
+    layer = randomise(GraphAttentionLayer(f_in, 4, 2, n_replicas=2).double(), seed=8)
+    names = [name for name, _ in layer.named_parameters()]
+
+    def run(*parameters: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(layer, dict(zip(names, parameters)), (x, neighbourhoods))
+
+    inputs = tuple(p.detach().clone().requires_grad_() for p in layer.parameters())
+    assert torch.autograd.gradcheck(run, inputs, eps=1e-6, atol=1e-7)
+
+
+def test_gradcheck_block_sparse_matmul() -> None:
+    from gat.layers import _BlockPlan, _BlockSparseMatmul  # private: its custom backward is what is checked
+
+    blocks, n, f_in, f_out = 3, 5, 4, 2
+    x = SparseFeatures.from_csr(random_features(n, f_in, seed=9, density=0.5, dtype=torch.float64))
+    plan = _BlockPlan.build(x.crow, x.col, f_in, blocks)
+    generator = torch.Generator().manual_seed(9)
+    values = torch.rand(blocks * x.nnz, dtype=torch.float64, generator=generator, requires_grad=True)
+    dense = torch.randn(blocks * f_in, f_out, dtype=torch.float64, generator=generator, requires_grad=True)
+
+    # Block b is x's pattern holding the b-th slice of `values`, times the b-th slice of `dense`.
+    out = _BlockSparseMatmul.apply(values, dense, plan)
+    for b in range(blocks):
+        x_b = SparseFeatures(x.crow, x.col, values.detach().view(blocks, -1)[b], f_in).to_dense()
+        torch.testing.assert_close(out[b * n:(b + 1) * n], x_b @ dense[b * f_in:(b + 1) * f_in])
+    assert torch.autograd.gradcheck(lambda v, d: _BlockSparseMatmul.apply(v, d, plan), (values, dense))
+    # Input features are data: without requires_grad on the values, only the dense side gets a gradient.
+    assert torch.autograd.gradcheck(lambda d: _BlockSparseMatmul.apply(values.detach(), d, plan), (dense,))
+
+
+# PyTorch Geometric -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cora_sized(planetoid_folder) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [N, F_in] dense, edge_index [2, E]): the real Cora when it is there, else random data of its size."""
+    if planetoid_folder.real:
+        from gat.data import file_names, parse_planetoid
+
+        folder = Path(planetoid_folder.path)
+        graph = parse_planetoid({name: (folder / name).read_bytes() for name in file_names("cora")}, "cora")
+        return graph.features.to_dense(), graph.edge_index
+    n, f_in = 2708, 1433
+    x = random_features(n, f_in, seed=10, density=0.013)
+    x = x / x.sum(1, keepdim=True).clamp(min=1e-12)
+    edges = torch.randint(0, n, (2, 5278), generator=torch.Generator().manual_seed(10))
+    edges = torch.cat([edges, edges.flip(0)], dim=1)
+    edges = edges[:, edges[0] != edges[1]].unique(dim=1)  # PyG counts a duplicate edge twice; ours drops it
+    return x, edges
+
+
+@pytest.mark.parametrize("is_concat,heads,f_out", [(True, 8, 8), (False, 1, 7), (False, 3, 7)])
+def test_matches_pyg_gatconv(cora_sized, is_concat: bool, heads: int, f_out: int) -> None:
+    from torch_geometric.nn import GATConv
+
+    x, edge_index = cora_sized
+    n, f_in = x.shape
+    torch.manual_seed(11)
+    conv = GATConv(f_in, f_out, heads=heads, concat=is_concat, negative_slope=0.2, dropout=0.0,
+                   add_self_loops=True, bias=True).eval()
+    with torch.no_grad():
+        conv.att_src.normal_()
+        conv.att_dst.normal_()
+        conv.bias.normal_()
+    layer = GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads, is_concat=is_concat,
+                                leaky_relu_negative_slope=0.2)
+    with torch.no_grad():
+        layer.W[0] = conv.lin.weight.view(heads, f_out, f_in).transpose(1, 2)
+        layer.a_source[0] = conv.att_src[0]
+        layer.a_target[0] = conv.att_dst[0]
+        layer.b_source.zero_()
+        layer.b_target.zero_()
+        # PyG adds one bias after concatenating ([H·F']) or averaging ([F']) the heads; ours adds one per head.
+        assert conv.bias.shape == ((heads * f_out,) if is_concat else (f_out,))
+        layer.bias[0] = conv.bias.view(heads, f_out) if is_concat else conv.bias.expand(heads, f_out)
+
+        expected = conv(x, edge_index)
+        out = layer(SparseFeatures.from_csr(x), Neighbourhoods.from_edge_index(edge_index, n))
+    torch.testing.assert_close(out[:, 0], expected, rtol=1e-5, atol=1e-5)
+
+
+# segment_softmax --------------------------------------------------------------------------------
+
+def _segments(neighbourhoods: Neighbourhoods, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lengths, rows) of B blocks of neighbourhoods laid out block after block: segment b·N + i is (b, i)."""
+    n, e = neighbourhoods.num_nodes, neighbourhoods.num_edges
+    lengths = torch.bincount(neighbourhoods.target, minlength=n).repeat(blocks)
+    rows = (neighbourhoods.target + n * torch.arange(blocks)[:, None]).reshape(-1)
+    assert rows.numel() == blocks * e
+    return lengths, rows
+
+
+def _dense_softmax(neighbourhoods: Neighbourhoods, e: torch.Tensor) -> torch.Tensor:
+    """torch.softmax over j of [B, N, N] scores, -inf off the edges, read back at the edges: [B, E]."""
+    n = neighbourhoods.num_nodes
+    dense = torch.full((e.shape[0], n, n), float("-inf"), dtype=e.dtype)
+    dense[:, neighbourhoods.target, neighbourhoods.source] = e
+    return torch.softmax(dense, dim=-1)[:, neighbourhoods.target, neighbourhoods.source]
+
+
+def test_segment_softmax_sums_to_one_per_target_and_equals_dense_softmax() -> None:
+    neighbourhoods, blocks = random_graph(20, 60, seed=12), 5
+    lengths, rows = _segments(neighbourhoods, blocks)
+    e = torch.randn(blocks, neighbourhoods.num_edges, generator=torch.Generator().manual_seed(12)) * 3
+    alpha = segment_softmax(e.reshape(-1), lengths, rows)
+    assert alpha.shape == (blocks * neighbourhoods.num_edges,) and (alpha > 0).all()
+    sums = torch.zeros(blocks * 20).index_add_(0, rows, alpha)
+    torch.testing.assert_close(sums, torch.ones(blocks * 20))
+    torch.testing.assert_close(alpha.view(blocks, -1), _dense_softmax(neighbourhoods, e))
+
+
+def test_segment_softmax_does_not_overflow() -> None:
+    neighbourhoods, blocks = random_graph(20, 60, seed=13), 3
+    lengths, rows = _segments(neighbourhoods, blocks)
+    e = 1e4 + torch.randn(blocks, neighbourhoods.num_edges, generator=torch.Generator().manual_seed(13)) * 1e4
+    e.requires_grad_()
+    alpha = segment_softmax(e.reshape(-1), lengths, rows)
+    assert torch.isfinite(alpha).all()
+    sums = torch.zeros(blocks * 20).index_add_(0, rows, alpha.detach())
+    torch.testing.assert_close(sums, torch.ones(blocks * 20))
+    torch.testing.assert_close(alpha.detach().view(blocks, -1), _dense_softmax(neighbourhoods, e.detach()))
+    (alpha * torch.randn_like(alpha)).sum().backward()
+    assert torch.isfinite(e.grad).all()
+
+
+def test_segment_softmax_gradient() -> None:
+    neighbourhoods, blocks = random_graph(6, 10, seed=14, isolated=1), 2
+    lengths, rows = _segments(neighbourhoods, blocks)
+    e = torch.randn(blocks * neighbourhoods.num_edges, dtype=torch.float64, requires_grad=True,
+                    generator=torch.Generator().manual_seed(14))
+    assert torch.autograd.gradcheck(lambda scores: segment_softmax(scores, lengths, rows), (e,))
+
+
+# Dropout ----------------------------------------------------------------------------------------
+
+class RecordingDropout(ReplicaDropout):
+    """A ReplicaDropout that keeps every mask it hands out."""
+
+    def __init__(self, seeds, p):
+        super().__init__(seeds, p)
+        self.masks: list[torch.Tensor] = []
+
+    def keep(self, *shape, device="cpu"):
+        mask = super().keep(*shape, device=device)
+        self.masks.append(mask)
+        return mask
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-input", "sparse-input"])
+def test_dropout_changes_the_output_deterministically(sparse: bool) -> None:
+    n, f_in, p = 40, 12, 0.6
+    neighbourhoods = random_graph(n, 200, seed=14)
+    layer = randomise(GraphAttentionLayer(f_in, 8, 2, dropout=p, n_replicas=2), seed=14)
+    x = random_features(n, f_in, seed=14, density=0.5)
+    x = SparseFeatures.from_csr(x) if sparse else x.unsqueeze(1).expand(n, 2, f_in)
+    with torch.no_grad():
+        evaluation = layer(x, neighbourhoods)
+        first = layer(x, neighbourhoods, RecordingDropout([1, 2], p))
+        noise = RecordingDropout([1, 2], p)
+        second = layer(x, neighbourhoods, noise)
+        other = layer(x, neighbourhoods, RecordingDropout([1, 3], p))
+    assert not torch.allclose(first, evaluation)
+    assert torch.equal(first, second)
+    assert torch.equal(first[:, 0], other[:, 0]) and not torch.allclose(first[:, 1], other[:, 1])
+    # Input, W·h and attention: three masks, each keeping about 1 - p of its entries.
+    assert len(noise.masks) == 3
+    for mask in noise.masks:
+        assert mask.shape[0] == 2
+        kept = (mask != 0).double().mean().item()
+        assert abs(kept - (1 - p)) < 0.05, kept
+        assert torch.all((mask == 0) | (mask == np.float32(1 / (1 - p))))
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-input", "sparse-input"])
+@pytest.mark.parametrize("f_in", [1, 16])
+def test_dropout_hits_the_input_the_transformed_features_and_the_attention(f_in: int, sparse: bool) -> None:
+    """On nodes without neighbours α_ii = 1, so each dropout leaves its own trace in the output.
+
+    A head's whole output is zero when its attention coefficient is dropped (p), or when every
+    input feature is (p^F_in, per head); single output elements are zero where W·h was dropped (p).
+    """
+    n, heads, f_out, p = 200, 4, 8, 0.6
+    neighbourhoods = Neighbourhoods.from_edge_index(torch.empty(2, 0, dtype=torch.long), n)
+    layer = randomise(GraphAttentionLayer(f_in, heads * f_out, heads, dropout=p, n_replicas=2), seed=15, biases=False)
+    x = torch.rand(n, f_in, generator=torch.Generator().manual_seed(15)) + 0.5
+    with torch.no_grad():
+        out = layer(as_input(x, sparse) if sparse else x.unsqueeze(1).expand(n, 2, f_in), neighbourhoods,
+                    ReplicaDropout([1, 2], p))
+    head_zero = (out.view(n, 2, heads, f_out) == 0).all(-1)
+    dropped_input = p ** f_in
+    expected = 1 - (1 - p) * (1 - dropped_input) * (1 - p ** f_out)
+    assert abs(head_zero.double().mean().item() - expected) < 0.04, (head_zero.double().mean(), expected)
+    element_zero = (out.view(n, 2, heads, f_out)[~head_zero] == 0).double().mean().item()
+    assert abs(element_zero - p) < 0.04, element_zero

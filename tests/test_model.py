@@ -1,0 +1,139 @@
+"""gat.model: shapes, per-seed initialisation, shrinking the batch, saving, and the node classifier."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from gat.config import ModelConfig
+from gat.dropout import ReplicaDropout
+from gat.graph import Neighbourhoods, SparseFeatures, receptive_field
+from gat.model import GAT, NodeClassifier, model_from_state, model_state
+from gat.training import loss_and_accuracy
+
+CONFIG = ModelConfig(hidden_features=4, heads=3, output_heads=2, dropout=0.6, leaky_relu_negative_slope=0.2)
+N, F_IN, C = 30, 12, 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These tensors are tiny: a second intra-op thread only adds OpenMP overhead, a lot of it on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def graph() -> tuple[SparseFeatures, Neighbourhoods]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.rand(N, F_IN, generator=generator) * (torch.rand(N, F_IN, generator=generator) < 0.3)
+    edge_index = torch.randint(0, N, (2, 80), generator=generator)
+    return SparseFeatures.from_csr(x), Neighbourhoods.from_edge_index(edge_index, N)
+
+
+def test_output_shape(graph) -> None:
+    x, neighbourhoods = graph
+    model = GAT(CONFIG, F_IN, C, seeds=[1, 2, 3])
+    assert model.n_replicas == 3
+    assert model(x, neighbourhoods).shape == (N, 3, C)
+    assert model(x, neighbourhoods, ReplicaDropout([1, 2, 3], 0.6)).shape == (N, 3, C)
+
+
+def test_the_receptive_field_gives_the_same_logits_as_the_whole_graph(graph) -> None:
+    x, neighbourhoods = graph
+    model = GAT(CONFIG, F_IN, C, seeds=[1, 2]).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # biases too, so every parameter shapes the logits
+            p.copy_(torch.randn_like(p))
+        whole = model(x, neighbourhoods)
+        nodes = torch.tensor([17, 3, 25, 3])
+        inputs, blocks = receptive_field(neighbourhoods, nodes, model.n_layers)
+        assert inputs.numel() < N  # a real cut, or the test proves nothing
+        part = model(x.rows(inputs), blocks)
+    torch.testing.assert_close(part, whole[nodes.unique()], rtol=1e-5, atol=1e-6)
+
+
+def test_a_replica_is_initialised_from_its_seed_alone() -> None:
+    batch = GAT(CONFIG, F_IN, C, seeds=[11, 22, 33])
+    for r, seed in enumerate([11, 22, 33]):
+        single = GAT(CONFIG, F_IN, C, seeds=[seed])
+        for (name, p), (_, q) in zip(batch.named_parameters(), single.named_parameters()):
+            assert torch.equal(p[r], q[0]), (name, seed)
+    assert not torch.equal(batch.hidden.W[0], batch.hidden.W[1])
+    # Glorot weights, zero biases.
+    assert batch.hidden.W.abs().max() > 0 and torch.all(batch.output.bias == 0)
+
+
+def test_a_replicas_step_does_not_depend_on_the_batch(graph) -> None:
+    """Logits, loss and gradients of a replica are bit for bit those of its seed trained alone."""
+    x, neighbourhoods = graph
+    labels, index = torch.arange(N) % C, torch.arange(0, N, 2)
+
+    def step(seeds: list[int]):
+        model = GAT(CONFIG, F_IN, C, seeds=seeds).train()
+        logits = model(x, neighbourhoods, ReplicaDropout(seeds, CONFIG.dropout))
+        loss, _ = loss_and_accuracy(logits, labels, index)
+        loss.sum().backward()
+        return logits.detach(), loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+    single = step([22])
+    for seeds in ([11, 22, 33], [22, 44], [5, 6, 7, 22, 8, 9, 10]):
+        batch = step(seeds)
+        r = seeds.index(22)
+        assert torch.equal(batch[0][:, r], single[0][:, 0]) and torch.equal(batch[1][r], single[1][0]), seeds
+        for name, gradient in batch[2].items():
+            assert torch.equal(gradient[r], single[2][name][0]), (seeds, name)
+
+
+def test_keep_replicas(graph) -> None:
+    x, neighbourhoods = graph
+    model = GAT(CONFIG, F_IN, C, seeds=[11, 22, 33]).eval()
+    before = model(x, neighbourhoods)
+    old = list(model.parameters())
+    model.keep_replicas(torch.tensor([2, 0]))
+    assert model.n_replicas == 2
+    assert all(new is not previous for new, previous in zip(model.parameters(), old))
+    expected = GAT(CONFIG, F_IN, C, seeds=[33, 11])
+    for (name, p), (_, q) in zip(model.named_parameters(), expected.named_parameters()):
+        assert torch.equal(p, q), name
+    after = model(x, neighbourhoods)
+    torch.testing.assert_close(after, before[:, [2, 0]], rtol=0, atol=1e-6)
+    # A shrunk model still trains: gradients reach the new parameters.
+    model.train()
+    model(x, neighbourhoods, ReplicaDropout([33, 11], 0.6)).sum().backward()
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+
+
+def test_model_state_round_trip(graph) -> None:
+    x, neighbourhoods = graph
+    model = GAT(CONFIG, F_IN, C, seeds=[5, 6])
+    with torch.no_grad():  # move away from the seeded init, so a rebuilt-from-seeds model would not pass
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    state = model_state(model, F_IN, C, [5, 6])
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)  # plain types and tensors only
+    restored = model_from_state(loaded)
+    assert restored.config == CONFIG and not restored.training
+    model.eval()
+    assert torch.equal(restored(x, neighbourhoods), model(x, neighbourhoods))
+
+
+def test_node_classifier_returns_log_probabilities(graph) -> None:
+    x, neighbourhoods = graph
+    model = GAT(CONFIG, F_IN, C, seeds=[7])
+    classifier = NodeClassifier(model, x, neighbourhoods)
+    nodes = torch.tensor([3, 0, 29, 3])
+    out = classifier(nodes)
+    assert out.shape == (4, C) and out.dtype == torch.float32
+    torch.testing.assert_close(out.exp().sum(-1), torch.ones(4))
+    expected = torch.log_softmax(model.eval()(x, neighbourhoods)[:, 0], dim=-1)[nodes]
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(out[0], out[3])
+    with pytest.raises(ValueError, match="one replica"):
+        NodeClassifier(GAT(CONFIG, F_IN, C, seeds=[1, 2]), x, neighbourhoods)
