@@ -13,38 +13,7 @@ import json
 from pathlib import Path
 
 from stages._common import load_params, main, require, write_atomic, write_json
-
-HEADER = ("| dataset | seeds | test accuracy, mean ± std | 95% CI of the mean | min – max | paper (GAT) "
-          "| mean inside the paper's ± std? | validation accuracy | epochs to stop, mean (min – max) |\n"
-          "|---|---|---|---|---|---|---|---|---|\n")
-
-
-def _pct(value: float) -> str:
-    return f"{100 * value:.2f}"
-
-
-def dataset_row(s: dict) -> str:
-    test, val, epochs, paper = s["test"], s["val"], s["epochs"], s["paper"]
-    return (f"| {s['dataset']} | {s['seeds']} | {_pct(test['mean'])} ± {_pct(test['std'])} % "
-            f"| [{_pct(test['ci_low'])}, {_pct(test['ci_high'])}] % | {_pct(test['min'])} – {_pct(test['max'])} % "
-            f"| {_pct(paper['mean'])} ± {_pct(paper['std'])} % | {'yes' if s['inside_paper_band'] else 'no'} "
-            f"| {_pct(val['mean'])} ± {_pct(val['std'])} % | {epochs['mean']:.0f} ({epochs['min']:.0f} – {epochs['max']:.0f}) |\n")
-
-
-def dataset_section(summary: dict) -> str:
-    """The table row of one dataset, as its MLflow parent run holds it."""
-    return f"# GAT reproduction: {summary['dataset']}\n\n" + HEADER + dataset_row(summary)
-
-
-def metrics(summary: dict) -> dict:
-    """The flat keys `dvc metrics show` lists under the dataset's name (accuracies as fractions)."""
-    test, val = summary["test"], summary["val"]
-    return {"seeds": summary["seeds"], "test_acc_mean": test["mean"], "test_acc_std": test["std"],
-            "test_acc_min": test["min"], "test_acc_max": test["max"], "test_acc_ci95_low": test["ci_low"],
-            "test_acc_ci95_high": test["ci_high"], "val_acc_mean": val["mean"], "val_acc_std": val["std"],
-            "epochs_mean": summary["epochs"]["mean"], "paper_test_acc_mean": summary["paper"]["mean"],
-            "paper_test_acc_std": summary["paper"]["std"], "inside_paper_band": summary["inside_paper_band"]}
-
+from stages._report import HEADER, dataset_row, metrics, pct
 
 def run() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -73,8 +42,8 @@ def run() -> None:
         "MLflow parent run of each dataset in the `gat-repro-reproduce` experiment.\n"))
     write_json(args.metrics, {s["dataset"]: metrics(s) for s in summaries})
     for s in summaries:
-        print(f"{s['dataset']}: {_pct(s['test']['mean'])} ± {_pct(s['test']['std'])} % over {s['seeds']} seeds, "
-              f"paper {_pct(s['paper']['mean'])} ± {_pct(s['paper']['std'])} % -> {args.markdown}")
+        print(f"{s['dataset']}: {pct(s['test']['mean'])} ± {pct(s['test']['std'])} % over {s['seeds']} seeds, "
+              f"paper {pct(s['paper']['mean'])} ± {pct(s['paper']['std'])} % -> {args.markdown}")
 
 
 if __name__ == "__main__":

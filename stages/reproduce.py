@@ -15,7 +15,6 @@ import multiprocessing
 import os
 from pathlib import Path
 
-import matplotlib
 import mlflow
 import torch
 from tqdm import tqdm
@@ -25,9 +24,7 @@ from gat.reproduction import PAPER, histogram, summarise
 from gat.training import GraphTensors, loss_and_accuracy, predict, resolve_device, train
 from stages._common import fail, load_params, load_prepared, main, write_csv, write_json
 from stages._tracking import REPRODUCE_EXPERIMENT, log_child_runs, stage_run, standard_tags
-from stages.report import dataset_section
-
-matplotlib.use("Agg")
+from stages._report import dataset_section, histogram_figure
 
 
 def _train_seeds(graph, model_config, optim, seeds, device) -> list[dict]:
@@ -88,29 +85,13 @@ def run() -> None:
                             for key in ("mean", "std", "min", "max", "ci_low", "ci_high")}
                            | {"epochs_mean": summary["epochs"]["mean"], "seeds": len(rows)})
         mlflow.log_text(dataset_section(summary), "report.md")
-        mlflow.log_figure(_histogram_figure(rows, counts, summary), "test_acc_histogram.png")
+        mlflow.log_figure(histogram_figure(rows, counts, summary), "test_acc_histogram.png")
         log_child_runs(parent.info.run_id, parent.info.experiment_id, rows, tags)
         write_csv(args.out / "seeds.csv", rows)
         write_csv(args.out / "histogram.csv", bins)
         write_json(args.out / "summary.json", summary)
     print(f"{args.dataset}: test accuracy {summary['test']['mean']:.4f} ± {summary['test']['std']:.4f} over "
           f"{len(rows)} seeds (paper {PAPER[args.dataset].mean:.3f} ± {PAPER[args.dataset].std:.3f}) -> {args.out}")
-
-
-def _histogram_figure(rows: list[dict], counts: list[tuple[float, float, int]], summary: dict):
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 3.5))
-    edges = [100 * low for low, _, _ in counts] + [100 * counts[-1][1]]
-    axes.hist([100 * r["test_acc"] for r in rows], bins=edges, color="#4c72b0", edgecolor="white")
-    paper = summary["paper"]
-    axes.axvspan(100 * (paper["mean"] - paper["std"]), 100 * (paper["mean"] + paper["std"]), alpha=0.2,
-                 color="orange", label="paper mean ± std")
-    axes.axvline(100 * summary["test"]["mean"], color="black", label="this project's mean")
-    axes.set(xlabel="test accuracy (%)", ylabel="seeds", title=f"{summary['dataset']}: {len(rows)} seeds")
-    axes.legend()
-    figure.tight_layout()
-    return figure
 
 
 if __name__ == "__main__":
