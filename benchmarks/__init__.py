@@ -1,0 +1,1 @@
+"""Benchmarks of the attention engine against reference implementations (`make bench`)."""

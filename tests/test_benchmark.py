@@ -1,0 +1,175 @@
+"""benchmarks.engine's building blocks on a small synthetic Planetoid graph: they run, train and report.
+
+No wall-clock time is asserted: these machines are shared, and `make bench` is where speed is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import engine as bench
+from conftest import SYNTHETIC_LAYOUTS, write_synthetic_planetoid
+from gat.data import Graph
+
+DENSE_NODES = 150  # enough for the synthetic graph's 140 training nodes and a few validation ones
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny graphs: a second intra-op thread only adds OpenMP overhead (measure() sets its own per case)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("planetoid")
+    write_synthetic_planetoid(path, "cora", **SYNTHETIC_LAYOUTS["cora"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def graph(folder: Path) -> Graph:
+    return bench.load_graph(folder, verify=False)  # synthetic files do not match the pinned checksums
+
+
+def test_missing_data_folder_says_to_pass_data_dir(tmp_path: Path) -> None:
+    with pytest.raises(bench.BenchmarkError, match="--data-dir"):
+        bench.load_graph(tmp_path / "nowhere")
+
+
+def test_synthetic_files_fail_the_checksum_check(folder: Path) -> None:
+    with pytest.raises(bench.BenchmarkError, match="SHA-256"):
+        bench.read_raw(folder, verify=True)
+
+
+def test_main_exits_with_a_clear_message_without_data(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--data-dir", str(tmp_path), "--out", str(tmp_path / "b.json")])
+    assert exit_info.value.code == 2
+    assert "--data-dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("build, replicas", [
+    (bench.build_engine, 1),
+    (lambda g: bench.build_engine(g, seeds=[0, 1, 2]), 3),
+    (bench.build_pyg, 1),
+    (lambda g: bench.build_dense(g, DENSE_NODES), 1),
+], ids=["engine", "engine_batched", "pyg", "dense"])
+def test_every_implementation_trains_and_evaluates(graph: Graph, build, replicas: int) -> None:
+    runner = build(graph)
+    before, _ = runner.eval_pass()
+    losses = torch.stack([runner.train_step() for _ in range(3)])
+    assert losses.shape == (3, replicas) and torch.isfinite(losses).all()
+    val_loss, val_acc = runner.eval_pass()
+    assert val_loss.shape == val_acc.shape == (replicas,)
+    assert torch.isfinite(val_loss).all() and ((0 <= val_acc) & (val_acc <= 1)).all()
+    # Random synthetic labels teach nothing, but every replica's optimiser step must move its model.
+    assert (val_loss != before).all()
+
+
+def test_eval_pass_is_deterministic_dropout_off(graph: Graph) -> None:
+    for runner in (bench.build_engine(graph), bench.build_pyg(graph), bench.build_dense(graph, DENSE_NODES)):
+        runner.train_step()
+        assert torch.equal(runner.eval_pass()[0], runner.eval_pass()[0])
+
+
+def test_dense_inputs_are_the_induced_subgraph_with_self_loops(graph: Graph) -> None:
+    inputs = bench.dense_inputs(graph, DENSE_NODES)
+    adj = inputs.adj_mat[..., 0]
+    assert inputs.x.shape == (DENSE_NODES, graph.num_features) and adj.shape == (DENSE_NODES, DENSE_NODES)
+    assert torch.equal(adj.diagonal(), torch.ones(DENSE_NODES))
+    source, target = graph.edge_index
+    inside = (source < DENSE_NODES) & (target < DENSE_NODES)
+    assert int(adj.sum()) == int(inside.sum()) + DENSE_NODES
+    assert bool((adj[target[inside], source[inside]] == 1).all())
+    assert (inputs.train_idx < DENSE_NODES).all() and (inputs.val_idx < DENSE_NODES).all()
+
+
+def test_dense_node_count_is_the_whole_graph_only_when_it_fits() -> None:
+    n = 2708
+    needed = bench.dense_peak_bytes(n)
+    assert bench.dense_node_count(n, available_bytes=2 * needed, share=1.0) == n
+    smaller = bench.dense_node_count(n, available_bytes=needed // 4, share=1.0)
+    assert smaller < n and bench.dense_peak_bytes(smaller) <= needed // 4 < bench.dense_peak_bytes(smaller + 2)
+
+
+def test_describe_dense_graph(graph: Graph) -> None:
+    assert bench.describe_dense_graph(graph, graph.num_nodes) == "full Cora"
+    assert bench.describe_dense_graph(graph, DENSE_NODES).startswith(f"subgraph of {DENSE_NODES} nodes")
+
+
+def test_interleaved_schedule_spreads_every_case() -> None:
+    schedule = bench.interleaved_schedule({"fast": 30, "other": 30, "slow": 3})
+    assert [schedule.count(key) for key in ("fast", "other", "slow")] == [30, 30, 3]
+    slow_at = [i for i, key in enumerate(schedule) if key == "slow"]
+    assert slow_at[0] > len(schedule) // 4 and slow_at[-1] == len(schedule) - 1  # not bunched at the start
+
+
+def test_peak_rss_is_positive_and_the_baseline_runs_in_a_fresh_process() -> None:
+    assert bench.own_peak_rss_mb() > 0
+    assert 0 < bench.baseline_rss_mb()
+
+
+@pytest.fixture(scope="module")
+def report(graph: Graph, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A whole report from a few real (untimed-for-assertion) measurements, without the peak processes."""
+    listed = bench.cases(graph, repeats=3, warmup=1, dense_repeats=1, dense_warmup=0, batched_seeds=2,
+                         dense_nodes=DENSE_NODES)
+    samples, others = bench.measure(graph, listed, log=lambda message: None)
+    assert 0 <= others <= 1
+    peaks = {case.key: {"peak_rss_mb": 1.0 + i, "epochs": 1} for i, case in enumerate(listed)}
+    entries = {case.key: bench.summarise(case, samples[case.key], peaks[case.key]) for case in listed}
+    reference = bench.add_ratios(entries, listed)
+    built = bench.build_report(entries, reference, bench.machine(), graph, baseline_mb=0.5)
+    path = tmp_path_factory.mktemp("report") / "benchmark.json"
+    bench.write_report(path, built)
+    return json.loads(path.read_text())
+
+
+def test_report_has_the_required_keys_per_implementation(report: dict) -> None:
+    keys = {"train_step_ms", "eval_ms", "peak_rss_mb", "train_step_vs_pyg", "eval_vs_pyg", "repeats", "threads",
+            "graph"}
+    assert {"engine", "engine_batched", "pyg_1t", "dense"} <= set(report["implementations"])
+    for entry in report["implementations"].values():
+        assert keys <= set(entry)
+        assert math.isfinite(entry["train_step_ms"]) and math.isfinite(entry["eval_ms"])
+        assert math.isfinite(entry["last_train_loss"]) and math.isfinite(entry["last_val_loss"])
+    assert report["implementations"]["engine"]["repeats"] == 3
+    for key in ("environment", "method", "targets", "baseline_torch_import_rss_mb", "dataset"):
+        assert key in report
+    assert {"cpu_model", "logical_cores", "torch", "torch_geometric"} <= set(report["environment"])
+
+
+def test_ratios_are_to_the_faster_pyg_case(report: dict) -> None:
+    entries = report["implementations"]
+    reference = entries[report["reference"]]
+    pyg = [entry for key, entry in entries.items() if key.startswith("pyg_")]
+    assert reference["train_step_ms"] == min(entry["train_step_ms"] for entry in pyg)
+    assert reference["train_step_vs_pyg"] == 1.0 and reference["eval_vs_pyg"] == 1.0
+    engine = entries["engine"]
+    assert engine["train_step_vs_pyg"] == pytest.approx(engine["train_step_ms"] / reference["train_step_ms"])
+    # The dense model ran on a subgraph here: its times are not comparable with the whole graph's.
+    assert entries["dense"]["train_step_vs_pyg"] is None and entries["dense"]["graph"].startswith("subgraph")
+
+
+def test_batched_row_is_per_seed(report: dict) -> None:
+    batched = report["implementations"]["engine_batched"]
+    assert batched["replicas"] == 2 and batched["per_seed"]
+    assert batched["train_step_ms"] == pytest.approx(batched["train_step_ms_whole_batch"] / 2)
+
+
+def test_targets_and_table(report: dict) -> None:
+    assert set(report["targets"]) == set(bench.TARGETS)
+    assert report["targets"]["peak_rss_mb"]["met"] is True  # the fake peak above: 1 MB
+    table = bench.format_table(report)
+    assert "| implementation | threads | graph | train step ms | eval ms | peak RSS MB |" in table
+    for entry in report["implementations"].values():
+        assert f"| {entry['label']} |" in table
