@@ -6,7 +6,7 @@ import functools
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,21 +40,22 @@ class _BlockPlan:
     t_shape: tuple[int, int]
 
     @classmethod
-    def build(cls, crow: Tensor, col: Tensor, num_cols: int, blocks: int) -> "_BlockPlan":
+    def build(cls, crow: Tensor, col: Tensor, num_cols: int, blocks: int, interleaved: bool = False) -> "_BlockPlan":
+        """Block b's rows are b·n .. b·n + n - 1; its columns the same (b·num_cols + c), or
+        `interleaved` (c·blocks + b) to multiply a dense matrix stored node-major, [num_cols, blocks, F']."""
         n, nnz = crow.numel() - 1, col.numel()
+        block = torch.arange(blocks, device=col.device)[:, None]
         row = torch.repeat_interleave(torch.arange(n, device=col.device), crow.diff())
-        order = torch.argsort(col * n + row)  # CSR of M^T: entries sorted by (column, row)
-        t_crow = torch.zeros(num_cols + 1, dtype=torch.long, device=col.device)
-        t_crow[1:] = torch.bincount(col, minlength=num_cols).cumsum(0)
-        offsets = torch.arange(blocks, device=col.device)[:, None]
-
-        def stack(pointers: Tensor) -> Tensor:
-            return torch.cat([(pointers[:-1] + offsets * nnz).reshape(-1), pointers.new_tensor([blocks * nnz])])
-
-        return cls(crow=stack(crow), col=(col + offsets * num_cols).reshape(-1), rows=(row + offsets * n).reshape(-1),
-                   lengths=crow.diff().repeat(blocks), shape=(blocks * n, blocks * num_cols), t_crow=stack(t_crow),
-                   t_col=(row[order] + offsets * n).reshape(-1), t_perm=(order + offsets * nnz).reshape(-1),
-                   t_shape=(blocks * num_cols, blocks * n))
+        rows = (row + block * n).reshape(-1)
+        cols = (col * blocks + block if interleaved else col + block * num_cols).reshape(-1)
+        width = blocks * num_cols
+        order = torch.argsort(cols * (blocks * n) + rows)  # CSR of the transpose: sorted by (column, row)
+        t_crow = torch.zeros(width + 1, dtype=torch.long, device=col.device)
+        t_crow[1:] = torch.bincount(cols, minlength=width).cumsum(0)
+        crow_blocks = torch.cat([(crow[:-1] + block * nnz).reshape(-1), crow.new_tensor([blocks * nnz])])
+        return cls(crow=crow_blocks, col=cols, rows=rows, lengths=crow.diff().repeat(blocks),
+                   shape=(blocks * n, width), t_crow=t_crow, t_col=rows[order], t_perm=order,
+                   t_shape=(width, blocks * n))
 
     def matrix(self, values: Tensor) -> Tensor:
         return torch.sparse_csr_tensor(self.crow32, self.col32, values, self.shape, check_invariants=False)
@@ -126,6 +127,37 @@ class _AddBias(torch.autograd.Function):
         return grad, grad.transpose(2, 3).contiguous().sum(-1)
 
 
+class _ELU(torch.autograd.Function):
+    """ELU on a contiguous tensor, with a contiguous gradient.
+
+    torch's ELU rounds exp() differently in the vectorised body of its loop and in the scalar
+    remainder or a strided pass. Kept contiguous, with every replica's slice a multiple of the
+    vector width, each element takes the same path whatever the number of replicas.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        x = x.contiguous()
+        ctx.save_for_backward(x)
+        return F.elu(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.elu_backward(grad.contiguous(), 1.0, 1.0, 1.0, False, x)
+
+
+def elu(x: Tensor) -> Tensor:
+    """ELU whose result for each element does not depend on the tensor around it.
+
+    Shapes: x: [R, ...], replica-major
+    """
+    if x[0].numel() % 32 == 0:  # two AVX-512 vectors: the widest step of torch's CPU loops
+        return _ELU.apply(x)
+    # Otherwise replica slices straddle the loop's steps; this formula's ops round the same everywhere.
+    return torch.where(x > 0, x, torch.expm1(x.clamp(max=0)))
+
+
 def segment_softmax(e: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
     """Softmax of scores grouped in contiguous segments (one per target node and block).
 
@@ -170,6 +202,7 @@ class GraphAttentionLayer(nn.Module):
         dropout: drop probability p.
         leaky_relu_negative_slope: slope of LeakyReLU in e_ij.
         n_replicas: R independent copies of every parameter (one per seed).
+        activation: applied to each head's output before concatenating or averaging (ELU in layer 1).
 
     Shapes:
         h: [N_src, R, F_in] dense, or :class:`SparseFeatures` x: [N_src, F_in] shared by all replicas
@@ -177,13 +210,14 @@ class GraphAttentionLayer(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, n_heads: int, is_concat: bool = True,
-                 dropout: float = 0.6, leaky_relu_negative_slope: float = 0.2, n_replicas: int = 1):
+                 dropout: float = 0.6, leaky_relu_negative_slope: float = 0.2, n_replicas: int = 1,
+                 activation: Callable[[Tensor], Tensor] | None = None):
         super().__init__()
         if is_concat and out_features % n_heads:
             raise ValueError(f"out_features ({out_features}) must be a multiple of n_heads ({n_heads}) to concatenate")
         self.in_features, self.n_heads, self.is_concat = in_features, n_heads, is_concat
         self.n_hidden = out_features // n_heads if is_concat else out_features
-        self.dropout, self.negative_slope = dropout, leaky_relu_negative_slope
+        self.dropout, self.negative_slope, self.activation = dropout, leaky_relu_negative_slope, activation
         shape = (n_replicas, n_heads)
         self.W = nn.Parameter(torch.empty(*shape, in_features, self.n_hidden))
         self.a_target = nn.Parameter(torch.empty(*shape, self.n_hidden))  # a_1: scores the receiving node i
@@ -214,32 +248,34 @@ class GraphAttentionLayer(nn.Module):
         for bias in (self.b_target, self.b_source, self.bias):
             bias.zero_()
 
-    def _plan(self, crow: Tensor, col: Tensor, num_cols: int, blocks: int) -> _BlockPlan:
-        key = (crow.data_ptr(), col.numel(), blocks, str(crow.device))
+    def _plan(self, crow: Tensor, col: Tensor, num_cols: int, blocks: int, interleaved: bool = False) -> _BlockPlan:
+        key = (crow.data_ptr(), col.numel(), blocks, interleaved, str(crow.device))
         if key not in self._plans:
-            self._plans[key] = _BlockPlan.build(crow, col, num_cols, blocks)
+            self._plans[key] = _BlockPlan.build(crow, col, num_cols, blocks, interleaved)
         return self._plans[key]
 
-    def _transform(self, h: Tensor | SparseFeatures, noise: ReplicaDropout | None) -> Tensor:
-        """g = W^k · dropout_k(h) for every replica and head: [R·H, N, F']."""
+    def _transform(self, h: Tensor | SparseFeatures, noise: ReplicaDropout | None) -> tuple[Tensor, bool]:
+        """g = W^k · dropout_k(h) for every replica and head, and whether it is node-major.
+
+        Shapes: g: [R·H, N, F'] (block-major) or [N, R·H, F'] (node-major)
+        """
         R, H, F_out = self.n_replicas, self.n_heads, self.n_hidden
         if isinstance(h, SparseFeatures):
             if noise is None:
                 # No dropout: every replica and head sees the same x, so one wide product x @ [W_1 ... W_B].
                 wide = self.W.permute(2, 0, 1, 3).reshape(h.num_features, R * H * F_out)
                 plan = self._plan(h.crow, h.col, h.num_features, 1)
-                g = _BlockSparseMatmul.apply(h.values, wide, plan)
-                return g.view(h.num_nodes, R * H, F_out).transpose(0, 1).contiguous()
+                return _BlockSparseMatmul.apply(h.values, wide, plan).view(h.num_nodes, R * H, F_out), True
             # Dropout: block b multiplies x under its own mask, diag(x ∘ m_1, ..., x ∘ m_B) @ [W_1; ...; W_B].
             values = h.values * noise.keep(H, h.nnz, device=h.values.device)
             plan = self._plan(h.crow, h.col, h.num_features, R * H)
             g = _BlockSparseMatmul.apply(values.reshape(-1), self.W.reshape(-1, F_out), plan)
-            return g.view(R * H, h.num_nodes, F_out)
+            return g.view(R * H, h.num_nodes, F_out), False
         N = h.shape[0]
         h = h.transpose(0, 1).unsqueeze(1)  # [R, 1, N, F_in]: one input, a mask per head
         if noise is not None:
             h = h * noise.keep(H, N, h.shape[-1], device=h.device)
-        return torch.matmul(h, self.W).view(R * H, N, F_out)
+        return torch.matmul(h, self.W).view(R * H, N, F_out), False
 
     def forward(self, h: Tensor | SparseFeatures, neighbourhoods: Neighbourhoods,
                 noise: ReplicaDropout | None = None) -> Tensor:
@@ -249,12 +285,15 @@ class GraphAttentionLayer(nn.Module):
         """
         R, H, F_out = self.n_replicas, self.n_heads, self.n_hidden
         B, n_targets, n_sources = R * H, neighbourhoods.num_targets, neighbourhoods.num_sources
-        g = self._transform(h, noise)  # [B, n_sources, F'], B = R·H blocks of (replica, head)
-        attention = self._plan(neighbourhoods.crow, neighbourhoods.source, n_sources, B)
+        # B = R·H blocks of (replica, head). Without dropout g comes node-major, [n_sources, B, F'],
+        # straight out of one wide product; the attention matrix then reads it in place.
+        g, node_major = self._transform(h, noise)
+        attention = self._plan(neighbourhoods.crow, neighbourhoods.source, n_sources, B, node_major)
 
         # a^T [g_i || g_j] = a_1·g_i + a_2·g_j: score each node once, then gather to edges (O(E), not O(N²)).
         a = torch.stack([self.a_target, self.a_source], dim=-1).view(B, F_out, 2)
-        scores = torch.bmm(g, a) + torch.stack([self.b_target, self.b_source], dim=-1).view(B, 1, 2)
+        scores = torch.bmm(g.transpose(0, 1) if node_major else g, a)
+        scores = scores + torch.stack([self.b_target, self.b_source], dim=-1).view(B, 1, 2)
         score_target, score_source = scores.unbind(-1)  # [B, n_sources] each
         if neighbourhoods.target_in_source is not None:
             score_target = score_target.index_select(1, neighbourhoods.target_in_source)
@@ -264,11 +303,13 @@ class GraphAttentionLayer(nn.Module):
 
         if noise is not None:
             alpha = alpha * noise.keep(H, neighbourhoods.num_edges, device=alpha.device).view(-1)
-            g = g * noise.keep(H, n_sources, F_out, device=g.device).view(B, n_sources, F_out)
+            g = g * noise.keep(H, n_sources, F_out, device=g.device).view(B, n_sources, F_out)  # block-major here
 
         # h'_i = Σ_j α_ij g_j for all blocks at once: a block-diagonal sparse-dense product.
         out = _BlockSparseMatmul.apply(alpha, g.reshape(B * n_sources, F_out), attention)
         out = _AddBias.apply(out.view(R, H, n_targets, F_out), self.bias)
+        if self.activation is not None:
+            out = self.activation(out)  # per head, before heads are joined, as the authors' attn_head does
         if self.is_concat:
             return out.permute(2, 0, 1, 3).reshape(n_targets, R, H * F_out)
         return out.mean(dim=1).transpose(0, 1)

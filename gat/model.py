@@ -12,18 +12,7 @@ from torch import Tensor, nn
 from gat.config import ModelConfig
 from gat.dropout import ReplicaDropout
 from gat.graph import Neighbourhoods, SparseFeatures
-from gat.layers import GraphAttentionLayer
-
-
-def _elu(x: Tensor) -> Tensor:
-    """ELU, with kernels that round each element the same way whatever the tensor's size and layout.
-
-    `F.elu`'s CPU kernel takes libm's exp in the scalar remainder of its vectorised loop (and on a
-    non-contiguous gradient, which the next layer's transpose makes for R > 1) and Sleef's exp
-    elsewhere, so a replica's activations and gradients changed in their last bits with the number
-    of replicas beside it. `expm1` is vectorised throughout; `where` and `clamp` are exact.
-    """
-    return torch.where(x > 0, x, torch.expm1(x.clamp(max=0)))
+from gat.layers import GraphAttentionLayer, elu
 
 
 class GAT(nn.Module):
@@ -44,7 +33,7 @@ class GAT(nn.Module):
         common = dict(dropout=config.dropout, leaky_relu_negative_slope=config.leaky_relu_negative_slope,
                       n_replicas=len(seeds))
         hidden = config.heads * config.hidden_features
-        self.hidden = GraphAttentionLayer(in_features, hidden, config.heads, is_concat=True, **common)
+        self.hidden = GraphAttentionLayer(in_features, hidden, config.heads, is_concat=True, activation=elu, **common)
         self.output = GraphAttentionLayer(hidden, num_classes, config.output_heads, is_concat=False, **common)
         self.reset_parameters(seeds)
 
@@ -63,7 +52,7 @@ class GAT(nn.Module):
                 noise: ReplicaDropout | None = None) -> Tensor:
         """Logits of every node, or, given one block per layer (gat.graph.receptive_field), of the last block's targets."""
         first, second = [neighbourhoods] * 2 if isinstance(neighbourhoods, Neighbourhoods) else neighbourhoods
-        h = _elu(self.hidden(x, first, noise))
+        h = self.hidden(x, first, noise)
         return self.output(h, second, noise)
 
     @torch.no_grad()
