@@ -142,7 +142,7 @@ def test_report_has_the_required_keys_per_implementation(report: dict) -> None:
         assert keys <= set(entry)
         assert math.isfinite(entry["train_step_ms"]) and math.isfinite(entry["eval_ms"])
         assert math.isfinite(entry["last_train_loss"]) and math.isfinite(entry["last_val_loss"])
-    assert report["implementations"]["engine"]["repeats"] == 3
+    assert report["implementations"]["engine"]["repeats"] >= 3  # whole turns of consecutive calls
     for key in ("environment", "method", "targets", "baseline_torch_import_rss_mb", "dataset"):
         assert key in report
     assert {"cpu_model", "logical_cores", "torch", "torch_geometric"} <= set(report["environment"])
