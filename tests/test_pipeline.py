@@ -26,14 +26,17 @@ from mlflow.tracking import MlflowClient
 
 from conftest import PlanetoidFolder, serving
 from gat.config import Params, flatten
-from stages._tracking import DATA_EXPERIMENT, TRAIN_EXPERIMENT, data_digest
+from stages._tracking import DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT, data_digest
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
-STAGES = ["download@cora", "download@citeseer", "preprocess@cora", "preprocess@citeseer", "train", "evaluate"]
+STAGES = ["download@cora", "download@citeseer", "preprocess@cora", "preprocess@citeseer", "train", "evaluate",
+          "reproduce@cora", "reproduce@citeseer", "report"]
 
 # Small enough to train in seconds; everything else is the repo's params.yaml.
-TINY = {"train.max_epochs": 12, "train.patience": 4}
+TINY = {"train.max_epochs": 12, "train.patience": 4, "reproduce.seeds": 3, "reproduce.seeds_per_batch": 2,
+        **{f"reproduce.hyperparameters.{name}.{key}": value for name in ("cora", "citeseer")
+           for key, value in (("max_epochs", 12), ("patience", 4))}}
 
 
 class Pipeline:
@@ -166,9 +169,57 @@ def test_dvc_metrics_and_plots_show(pipeline: Pipeline) -> None:
     assert "test_acc" in json.dumps(workspace)
     plots = json.loads(pipeline.dvc("plots", "show", "--json").stdout)
     assert not plots.get("errors")
-    assert set(plots["data"]) == {"Loss per epoch", "Accuracy per epoch", "Test confusion matrix"}
+    assert set(plots["data"]) == {"Loss per epoch", "Accuracy per epoch", "Test confusion matrix",
+                                  "data/reproduce/cora/histogram.csv", "data/reproduce/citeseer/histogram.csv"}
     epochs = plots["data"]["Loss per epoch"][0]["content"]["data"]["values"]
     assert len(epochs) >= len({row["epoch"] for row in epochs}) > 1
+
+
+def test_reproduce_reports_every_dataset_beside_the_paper(pipeline: Pipeline) -> None:
+    shown = json.loads(pipeline.dvc("metrics", "show", "--json").stdout)
+    metrics = json.loads((pipeline.root / "reports/reproduction.json").read_text())
+    assert "reports/reproduction.json" in json.dumps(shown)
+    report = (pipeline.root / "reports/reproduction.md").read_text()
+    for name in ("cora", "citeseer"):
+        seeds = (pipeline.root / f"data/reproduce/{name}/seeds.csv").read_text().splitlines()[1:]
+        accuracies = [float(line.split(",")[1]) for line in seeds]
+        assert metrics[name]["seeds"] == len(accuracies) == TINY["reproduce.seeds"]
+        assert metrics[name]["test_acc_mean"] == pytest.approx(sum(accuracies) / len(accuracies))
+        assert metrics[name]["test_acc_min"] <= metrics[name]["test_acc_mean"] <= metrics[name]["test_acc_max"]
+        assert metrics[name]["paper_test_acc_mean"] in (0.830, 0.725)
+        assert f"| {name} | {len(accuracies)} |" in report
+
+
+def test_reproduce_logs_a_parent_per_dataset_and_a_child_per_seed(pipeline: Pipeline) -> None:
+    runs = pipeline.runs(REPRODUCE_EXPERIMENT)
+    parents = {run.data.tags["dataset"]: run for run in runs if "mlflow.parentRunId" not in run.data.tags}
+    assert sorted(parents) == ["citeseer", "cora"]
+    head = pipeline.run("git", "rev-parse", "HEAD").stdout.strip()
+    for name, parent in parents.items():
+        children = [run for run in runs if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+        assert sorted(int(run.data.params["seed"]) for run in children) == [0, 1, 2]
+        for run in [parent, *children]:
+            assert run.info.status == "FINISHED"
+            assert run.data.tags["git_commit"] == head and run.data.tags["dataset"] == name
+            assert run.data.tags["data_sha256"] == parent.data.tags["data_sha256"]
+        mean = sum(run.data.metrics["test_acc"] for run in children) / 3
+        assert parent.data.metrics["test_acc_mean"] == pytest.approx(mean)
+        artifacts = {item.path for item in pipeline.client.list_artifacts(parent.info.run_id)}
+        assert {"report.md", "test_acc_histogram.png"} <= artifacts
+
+
+def test_a_seed_gives_the_same_result_alone_and_in_a_batch(pipeline: Pipeline, tmp_path: Path) -> None:
+    baseline = (pipeline.root / "data/reproduce/cora/seeds.csv").read_text().splitlines()
+    original = (pipeline.root / "params.yaml").read_text()
+    try:  # one seed per batch on one worker, and all three in one batch: the per-seed rows must not change
+        for per_batch, workers in ((1, 1), (3, 2)):
+            pipeline.set_params(**{"reproduce.seeds_per_batch": per_batch, "reproduce.workers": workers})
+            out = tmp_path / f"{per_batch}-{workers}"
+            pipeline.run(str(VENV_BIN / "python"), "-m", "stages.reproduce", "--dataset", "cora",
+                         "--data", "data/prepared/cora", "--out", str(out))
+            assert (out / "seeds.csv").read_text().splitlines() == baseline
+    finally:
+        (pipeline.root / "params.yaml").write_text(original)
 
 
 def test_second_repro_is_a_noop(pipeline: Pipeline) -> None:
