@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from gat.config import flatten
+from gat.data import graph_from_tensors, graph_to_tensors
 from gat.reproduction import PAPER, histogram, summarise
 from gat.training import GraphTensors, loss_and_accuracy, predict, resolve_device, train
 from stages._common import fail, load_params, load_prepared, main, write_csv, write_json
@@ -27,10 +28,10 @@ from stages._tracking import REPRODUCE_EXPERIMENT, log_child_runs, stage_run, st
 from stages._report import dataset_section, histogram_figure
 
 
-def _train_seeds(graph, model_config, optim, seeds, device) -> list[dict]:
+def _train_seeds(graph_tensors, model_config, optim, seeds, device) -> list[dict]:
     """One batch of seeds, in a worker process: train, restore, evaluate."""
     torch.set_num_threads(1)  # one process per core (see stages._common.main)
-    tensors = GraphTensors.from_graph(graph, device)
+    tensors = GraphTensors.from_graph(graph_from_tensors(graph_tensors), device)
     result = train(tensors, model_config, optim, seeds)
     logits = predict(result.model, tensors)
     _, test_acc = loss_and_accuracy(logits, tensors.labels, tensors.test_idx)
@@ -68,8 +69,10 @@ def run() -> None:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool, \
                 tqdm(total=len(seeds), desc=f"reproduce {args.dataset}", unit="seed", disable=None) as bar:
-            for batch_rows in pool.map(_train_seeds, *zip(*[(graph, params.model, optim, batch, device)
-                                                           for batch in batches])):
+            # Plain tensors travel to the workers; torch's pickling of sparse ones warns on every batch.
+            plain = graph_to_tensors(graph)
+            jobs = [(plain, params.model, optim, batch, device) for batch in batches]
+            for batch_rows in pool.map(_train_seeds, *zip(*jobs)):
                 rows += batch_rows
                 bar.update(len(batch_rows))
 
