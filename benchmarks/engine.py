@@ -183,14 +183,17 @@ def build_pyg(graph: Graph, seed: int = 0) -> Runner:
     torch.manual_seed(seed)
     x = graph.features.to_dense()  # already row-normalised, as PyG's NormalizeFeatures makes it
     model = PygGAT(graph.num_features, graph.num_classes)
+    return whole_graph_runner(model, (x, graph.edge_index), graph.labels, graph.train_idx, graph.val_idx)
+
+
+def whole_graph_runner(model: nn.Module, inputs: tuple, labels: Tensor, train_idx: Tensor, val_idx: Tensor) -> Runner:
+    """A reference model stepped as its own example script would: whole-graph forward, loss on the training nodes."""
     optimiser = torch.optim.Adam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    edge_index, labels = graph.edge_index, graph.labels
 
     def train_step() -> Tensor:
         model.train()
         optimiser.zero_grad(set_to_none=True)
-        out = model(x, edge_index)
-        loss = F.cross_entropy(out[graph.train_idx], labels[graph.train_idx])
+        loss = F.cross_entropy(model(*inputs)[train_idx], labels[train_idx])
         loss.backward()
         optimiser.step()
         return loss.detach().view(1)
@@ -198,8 +201,7 @@ def build_pyg(graph: Graph, seed: int = 0) -> Runner:
     def eval_pass() -> tuple[Tensor, Tensor]:
         model.eval()
         with torch.no_grad():
-            out = model(x, edge_index)
-            return _loss_and_accuracy(out, labels, graph.val_idx)
+            return _loss_and_accuracy(model(*inputs), labels, val_idx)
 
     return Runner(train_step, eval_pass)
 
@@ -300,23 +302,7 @@ def build_dense(graph: Graph, n: int | None = None, seed: int = 0) -> Runner:
     torch.manual_seed(seed)
     inputs = dense_inputs(graph, graph.num_nodes if n is None else n)
     model = TutorialGAT(graph.num_features, graph.num_classes)
-    optimiser = torch.optim.Adam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-
-    def train_step() -> Tensor:
-        model.train()
-        optimiser.zero_grad(set_to_none=True)
-        out = model(inputs.x, inputs.adj_mat)
-        loss = F.cross_entropy(out[inputs.train_idx], inputs.labels[inputs.train_idx])
-        loss.backward()
-        optimiser.step()
-        return loss.detach().view(1)
-
-    def eval_pass() -> tuple[Tensor, Tensor]:
-        model.eval()
-        with torch.no_grad():
-            return _loss_and_accuracy(model(inputs.x, inputs.adj_mat), inputs.labels, inputs.val_idx)
-
-    return Runner(train_step, eval_pass)
+    return whole_graph_runner(model, (inputs.x, inputs.adj_mat), inputs.labels, inputs.train_idx, inputs.val_idx)
 
 
 # What is measured -------------------------------------------------------------------------------

@@ -152,6 +152,18 @@ def write_synthetic_planetoid(folder: Path, dataset: str, *, num_classes: int = 
     )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread, as the stages use (stages._common.main): the tests' tensors are tiny, and a
+    second OpenMP thread only adds overhead, a lot of it on a busy 2-core machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @dataclass(frozen=True)
 class PlanetoidFolder:
     """Where the Planetoid files are, whether they are the real ones, and their SHA256SUMS."""

@@ -19,15 +19,6 @@ from gat.data import Graph
 DENSE_NODES = 150  # enough for the synthetic graph's 140 training nodes and a few validation ones
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny graphs: a second intra-op thread only adds OpenMP overhead (measure() sets its own per case)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("planetoid")

@@ -15,15 +15,6 @@ from gat.graph import Neighbourhoods, SparseFeatures
 from gat.layers import GraphAttentionLayer, segment_softmax
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tensors are tiny: a second intra-op thread only adds OpenMP overhead, a lot of it on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def random_graph(num_nodes: int, num_edges: int, seed: int, isolated: int = 2) -> Neighbourhoods:
     """Random directed edges among all but the last `isolated` nodes (which get only their self-loop).
 

@@ -17,15 +17,6 @@ CONFIG = ModelConfig(hidden_features=4, heads=3, output_heads=2, dropout=0.6, le
 N, F_IN, C = 30, 12, 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tensors are tiny: a second intra-op thread only adds OpenMP overhead, a lot of it on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def graph() -> tuple[SparseFeatures, Neighbourhoods]:
     generator = torch.Generator().manual_seed(0)

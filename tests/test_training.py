@@ -33,15 +33,6 @@ def synthetic_graph(num_nodes: int = 120, num_features: int = 30, num_classes: i
                  order[70:].sort().values, num_classes)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These graphs are tiny: a second intra-op thread only adds OpenMP overhead, a lot of it on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def graph() -> GraphTensors:
     return GraphTensors.from_graph(synthetic_graph())
