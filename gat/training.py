@@ -193,8 +193,7 @@ def train(graph: GraphTensors, config: ModelConfig, optim: OptimConfig, seeds: S
         model.eval()
         with torch.no_grad():
             val_loss, val_acc = val_view.loss_and_accuracy(model)
-        save, stop = stopping.update(active, epoch, val_acc, val_loss)
-        with torch.no_grad():
+            save, stop = stopping.update(active, epoch, val_acc, val_loss)
             for name, parameter in model.named_parameters():
                 checkpoint[name][active[save]] = parameter[save]
         if on_epoch is not None:

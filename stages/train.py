@@ -33,7 +33,6 @@ def run() -> None:
     graph, meta = load_prepared(args.data, settings.dataset)
     device = resolve_device(settings.device)
     tensors = GraphTensors.from_graph(graph, device)
-    torch.manual_seed(settings.seed)  # nothing should draw from it, but a stray draw stays reproducible
 
     tags = standard_tags(settings.dataset, meta["source_sha256"])
     run_name = f"{settings.dataset}-{tags.get('dvc_exp_name', f'seed{settings.seed}')}"
