@@ -3,35 +3,57 @@
 from __future__ import annotations
 
 HEADER = ("| dataset | seeds | test accuracy, mean ± std | 95% CI of the mean | min – max | paper (GAT) "
-          "| mean inside the paper's ± std? | validation accuracy | epochs to stop, mean (min – max) |\n"
-          "|---|---|---|---|---|---|---|---|---|\n")
+          "| mean inside the paper's ± std? | epochs to stop, mean (min – max) |\n"
+          "|---|---|---|---|---|---|---|---|\n")
+VALIDATION_HEADER = ("| dataset | seeds | validation accuracy, mean ± std | 95% CI of the mean | min – max |\n"
+                     "|---|---|---|---|---|\n")
 
 
 def pct(value: float) -> str:
     return f"{100 * value:.2f}"
 
 
+def _spread(split: dict) -> str:
+    """mean ± std | CI | min – max, in percent."""
+    return (f"{pct(split['mean'])} ± {pct(split['std'])} % | [{pct(split['ci_low'])}, {pct(split['ci_high'])}] % "
+            f"| {pct(split['min'])} – {pct(split['max'])} %")
+
+
 def dataset_row(s: dict) -> str:
-    test, val, epochs, paper = s["test"], s["val"], s["epochs"], s["paper"]
-    return (f"| {s['dataset']} | {s['seeds']} | {pct(test['mean'])} ± {pct(test['std'])} % "
-            f"| [{pct(test['ci_low'])}, {pct(test['ci_high'])}] % | {pct(test['min'])} – {pct(test['max'])} % "
-            f"| {pct(paper['mean'])} ± {pct(paper['std'])} % | {'yes' if s['inside_paper_band'] else 'no'} "
-            f"| {pct(val['mean'])} ± {pct(val['std'])} % | {epochs['mean']:.0f} ({epochs['min']:.0f} – {epochs['max']:.0f}) |\n")
+    """The test-accuracy row of one dataset, beside the paper's figure."""
+    epochs, paper = s["epochs"], s["paper"]
+    return (f"| {s['dataset']} | {s['seeds']} | {_spread(s['test'])} | {pct(paper['mean'])} ± {pct(paper['std'])} % "
+            f"| {'yes' if s['inside_paper_band'] else 'no'} "
+            f"| {epochs['mean']:.0f} ({epochs['min']:.0f} – {epochs['max']:.0f}) |\n")
+
+
+def validation_row(s: dict) -> str:
+    return f"| {s['dataset']} | {s['seeds']} | {_spread(s['val'])} |\n"
+
+
+def tables(summaries: list[dict]) -> str:
+    """Test accuracy beside the paper, then validation accuracy, one row per dataset."""
+    return (HEADER + "".join(map(dataset_row, summaries)) + "\n"
+            + VALIDATION_HEADER + "".join(map(validation_row, summaries)))
 
 
 def dataset_section(summary: dict) -> str:
-    """The table row of one dataset, as its MLflow parent run holds it."""
-    return f"# GAT reproduction: {summary['dataset']}\n\n" + HEADER + dataset_row(summary)
+    """The tables of one dataset, as its MLflow parent run holds them."""
+    return f"# GAT reproduction: {summary['dataset']}\n\n" + tables([summary])
 
 
 def metrics(summary: dict) -> dict:
     """The flat keys `dvc metrics show` lists under the dataset's name (accuracies as fractions)."""
-    test, val = summary["test"], summary["val"]
-    return {"seeds": summary["seeds"], "test_acc_mean": test["mean"], "test_acc_std": test["std"],
-            "test_acc_min": test["min"], "test_acc_max": test["max"], "test_acc_ci95_low": test["ci_low"],
-            "test_acc_ci95_high": test["ci_high"], "val_acc_mean": val["mean"], "val_acc_std": val["std"],
-            "epochs_mean": summary["epochs"]["mean"], "paper_test_acc_mean": summary["paper"]["mean"],
-            "paper_test_acc_std": summary["paper"]["std"], "inside_paper_band": summary["inside_paper_band"]}
+    flat = {"seeds": summary["seeds"]}
+    for split, prefix in (("test", "test_acc"), ("val", "val_acc")):
+        values = summary[split]
+        flat |= {f"{prefix}_mean": values["mean"], f"{prefix}_std": values["std"], f"{prefix}_min": values["min"],
+                 f"{prefix}_max": values["max"], f"{prefix}_ci95_low": values["ci_low"],
+                 f"{prefix}_ci95_high": values["ci_high"]}
+    epochs = summary["epochs"]
+    return flat | {"epochs_mean": epochs["mean"], "epochs_min": epochs["min"], "epochs_max": epochs["max"],
+                   "paper_test_acc_mean": summary["paper"]["mean"], "paper_test_acc_std": summary["paper"]["std"],
+                   "inside_paper_band": summary["inside_paper_band"]}
 
 
 def histogram_figure(rows: list[dict], counts: list[tuple[float, float, int]], summary: dict):

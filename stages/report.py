@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from stages._common import load_params, main, require, write_atomic, write_json
-from stages._report import HEADER, dataset_row, metrics, pct
+from stages._report import metrics, pct, tables
 
 def run() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -37,7 +37,7 @@ def run() -> None:
         "standard Planetoid split, the authors' early stopping and best-checkpoint restore. "
         f"Hyperparameters: {protocol}. The paper's figures are Table 3 of Veličković et al. (2018), mean ± std "
         "over 100 runs. The std is the sample std; the 95% CI of the mean uses Student's t.\n\n"
-        + HEADER + "".join(dataset_row(s) for s in summaries)
+        + tables(summaries)
         + "\nPer-seed results: `data/reproduce/<dataset>/seeds.csv`; histograms: `dvc plots show` or the "
         "MLflow parent run of each dataset in the `gat-repro-reproduce` experiment.\n"))
     write_json(args.metrics, {s["dataset"]: metrics(s) for s in summaries})
