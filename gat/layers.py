@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ class _BlockPlan:
     structure is built once. Values are laid out block after block, each in M's CSR order.
     """
 
-    crow: Tensor
+    crow: Tensor     # int32, as are col, t_crow and t_col
     col: Tensor
     rows: Tensor     # the block row of every stored value: [B·nnz]
     lengths: Tensor  # stored values per block row: [B·n]
@@ -53,33 +52,17 @@ class _BlockPlan:
         t_crow = torch.zeros(width + 1, dtype=torch.long, device=col.device)
         t_crow[1:] = torch.bincount(cols, minlength=width).cumsum(0)
         crow_blocks = torch.cat([(crow[:-1] + block * nnz).reshape(-1), crow.new_tensor([blocks * nnz])])
-        return cls(crow=crow_blocks, col=cols, rows=rows, lengths=crow.diff().repeat(blocks),
-                   shape=(blocks * n, width), t_crow=t_crow, t_col=rows[order], t_perm=order,
+        # MKL's sparse kernels take 32-bit indices; int64 ones would be converted on every product.
+        return cls(crow=crow_blocks.int(), col=cols.int(), rows=rows, lengths=crow.diff().repeat(blocks),
+                   shape=(blocks * n, width), t_crow=t_crow.int(), t_col=rows[order].int(), t_perm=order,
                    t_shape=(width, blocks * n))
 
     def matrix(self, values: Tensor) -> Tensor:
-        return torch.sparse_csr_tensor(self.crow32, self.col32, values, self.shape, check_invariants=False)
+        return torch.sparse_csr_tensor(self.crow, self.col, values, self.shape, check_invariants=False)
 
     def transpose(self, values: Tensor) -> Tensor:
-        return torch.sparse_csr_tensor(self.t_crow32, self.t_col32, values.index_select(0, self.t_perm),
+        return torch.sparse_csr_tensor(self.t_crow, self.t_col, values.index_select(0, self.t_perm),
                                        self.t_shape, check_invariants=False)
-
-    # MKL's sparse kernels take 32-bit indices; int64 ones are converted on every call.
-    @functools.cached_property
-    def crow32(self) -> Tensor:
-        return self.crow.int()
-
-    @functools.cached_property
-    def col32(self) -> Tensor:
-        return self.col.int()
-
-    @functools.cached_property
-    def t_crow32(self) -> Tensor:
-        return self.t_crow.int()
-
-    @functools.cached_property
-    def t_col32(self) -> Tensor:
-        return self.t_col.int()
 
 
 class _BlockSparseMatmul(torch.autograd.Function):
