@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -54,11 +55,15 @@ def test_standard_split(workdir: Path, planetoid_folder: PlanetoidFolder, monkey
 
 def test_random_split_from_params(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     params = workdir / "params.yaml"
-    params.write_text(params.read_text().replace("split: standard", "split: random"))
+    # Sizes that fit the synthetic files too (1,140 labelled nodes) when ../shared is absent.
+    text = params.read_text().replace("split: standard", "split: random")
+    for key, size in (("train", 300), ("val", 200), ("test", 400)):
+        text = re.sub(rf"random_{key}_size: \d+", f"random_{key}_size: {size}", text)
+    params.write_text(text)
     _run(monkeypatch)
     meta = json.loads((workdir / "data/prepared/cora/meta.json").read_text())
-    assert meta["split"] == {"name": "random", "seed": 0, "train_size": 500, "val_size": 500, "test_size": 1000}
-    assert {name: part["count"] for name, part in meta["splits"].items()} == {"train": 500, "val": 500, "test": 1000}
+    assert meta["split"] == {"name": "random", "seed": 0, "train_size": 300, "val_size": 200, "test_size": 400}
+    assert {name: part["count"] for name, part in meta["splits"].items()} == {"train": 300, "val": 200, "test": 400}
 
 
 def test_tampered_raw_file_is_refused_before_unpickling(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
