@@ -11,7 +11,7 @@ import torch
 from dense_reference import GraphAttentionLayer as DenseLayer
 from dense_reference import adjacency, copy_into, dense_attention
 from gat.dropout import ReplicaDropout
-from gat.graph import Neighbourhoods, SparseFeatures
+from gat.graph import Neighbourhoods, SparseFeatures, receptive_field
 from gat.layers import GraphAttentionLayer, segment_softmax
 
 
@@ -112,6 +112,30 @@ def test_replica_equals_a_one_replica_layer_with_its_parameters(is_concat: bool,
         with torch.no_grad():
             assert torch.equal(out[:, r:r + 1], single(inputs[r], neighbourhoods)), r
     assert not torch.allclose(out[:, 0], out[:, 1])  # the replicas' parameters do differ
+
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-input", "sparse-input"])
+@pytest.mark.parametrize("is_concat,heads", [(True, 3), (False, 2)])
+def test_inference_layout_equals_the_training_layout(is_concat: bool, heads: int, sparse: bool) -> None:
+    """Without autograd the layer runs node-major, with autograd block-major: the same function either way."""
+    n, f_in, f_out, replicas = 31, 10, 5, 3
+    neighbourhoods = random_graph(n, 90, seed=8)
+    layer = randomise(GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads, is_concat=is_concat,
+                                          n_replicas=replicas, activation=torch.nn.functional.elu), seed=8)
+    if sparse:
+        x = SparseFeatures.from_csr(random_features(n, f_in, seed=8))
+    else:
+        x = torch.randn(n, replicas, f_in, generator=torch.Generator().manual_seed(8))
+    # The whole graph, and a receptive-field block, whose targets are a subset of its sources.
+    inputs, (block,) = receptive_field(neighbourhoods, torch.tensor([17, 0, 3]), 1)
+    for h, graph in ((x, neighbourhoods), (x.rows(inputs) if sparse else x[inputs], block)):
+        with torch.no_grad():
+            inferred = layer(h, graph)
+        trained = layer(h, graph)
+        assert trained.requires_grad and not inferred.requires_grad
+        assert inferred.shape == (graph.num_targets, replicas, heads * f_out if is_concat else f_out)
+        torch.testing.assert_close(inferred, trained.detach(), rtol=1e-5, atol=1e-5)
 
 
 # Gradients --------------------------------------------------------------------------------------
