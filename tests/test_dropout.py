@@ -21,6 +21,16 @@ def test_keep_rate_and_scale(p: float) -> None:
     assert abs(mask.double().mean().item() - 1) < 0.02
 
 
+def test_the_threshold_is_exact_below_the_top_byte() -> None:
+    """p = (128 + 1/2)/256: every draw whose top byte is 128 is decided by its other 24 bits.
+
+    Keeping all of them would give 0.5, dropping all 0.49609; the exact rate is 0.49805.
+    """
+    p = (128 + 0.5) / 256
+    kept = (ReplicaDropout([3], p).keep(8_000_000) != 0).double().mean().item()
+    assert abs(kept - (1 - p)) < 0.0009, kept  # 5 standard deviations, half the distance to a wrong rule
+
+
 def test_p_zero_keeps_everything() -> None:
     assert torch.equal(ReplicaDropout([4], 0.0).keep(1000), torch.ones(1, 1000))
 
