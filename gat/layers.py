@@ -168,19 +168,36 @@ def elu(x: Tensor) -> Tensor:
     return torch.where(x > 0, x, torch.expm1(x.clamp(max=0)))
 
 
+class _SegmentSoftmax(torch.autograd.Function):
+    """segment_softmax with its gradient in closed form, ∂L/∂e = α ∘ (g - Σ_segment g ∘ α) for g = ∂L/∂α:
+    five passes over the scores, where autograd's chain through max, exp, sum and the gathers takes twice that."""
+
+    @staticmethod
+    def forward(ctx, e: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
+        shift = torch.segment_reduce(e, "max", lengths=lengths, unsafe=True)
+        exp = (e - shift.index_select(0, rows)).exp_()
+        alpha = exp.div_(torch.segment_reduce(exp, "sum", lengths=lengths, unsafe=True).index_select(0, rows))
+        ctx.save_for_backward(alpha, lengths, rows)
+        return alpha
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        alpha, lengths, rows = ctx.saved_tensors
+        weighted = grad * alpha
+        total = torch.segment_reduce(weighted, "sum", lengths=lengths, unsafe=True).index_select(0, rows)
+        return weighted - alpha * total, None, None
+
+
 def segment_softmax(e: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
     """Softmax of scores grouped in contiguous segments (one per target node and block).
 
-    Subtracting each segment's max keeps exp() from overflowing; it is detached because
-    softmax is invariant to the shift, so its gradient would cancel anyway.
+    Subtracting each segment's max keeps exp() from overflowing; softmax is invariant to
+    the shift, so it does not enter the gradient.
 
     Shapes:
         e: [S] scores, segment after segment; lengths: [G] segment sizes; rows: [S] segment of each score
     """
-    shift = torch.segment_reduce(e.detach(), "max", lengths=lengths, unsafe=True)
-    exp = (e - shift.index_select(0, rows)).exp()
-    denominator = torch.segment_reduce(exp, "sum", lengths=lengths, unsafe=True)
-    return exp / denominator.index_select(0, rows)
+    return _SegmentSoftmax.apply(e, lengths, rows)
 
 
 class GraphAttentionLayer(nn.Module):
