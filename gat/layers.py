@@ -378,20 +378,20 @@ class GraphAttentionLayer(nn.Module):
             score_target = score_target.index_select(0, neighbourhoods.target_in_source)
         score_target = score_target + (self.b_target + self.b_source).view(B)
         e = F.leaky_relu(score_target.index_select(0, neighbourhoods.target)
-                         + score_source.index_select(0, neighbourhoods.source), self.negative_slope)  # [E, B]
+                         + score_source.index_select(0, neighbourhoods.source), self.negative_slope, inplace=True)  # [E, B]
 
         # segment_softmax() along the edge axis: each neighbourhood is a contiguous run of rows of B scores,
         # and embedding_bag sums such runs several times faster than segment_reduce does.
         plan = self._inference_plan(neighbourhoods, B)
         shift = torch.segment_reduce(e, "max", lengths=neighbourhoods.degree, axis=0, unsafe=True)
-        exp = (e - shift.index_select(0, neighbourhoods.target)).exp()
+        exp = e.sub_(shift.index_select(0, neighbourhoods.target)).exp_()
         total = F.embedding_bag(plan.edges, exp, neighbourhoods.crow, mode="sum", include_last_offset=True)
-        alpha = exp / total.index_select(0, neighbourhoods.target)
+        alpha = exp.div_(total.index_select(0, neighbourhoods.target))
 
         # h'_i = Σ_j α_ij g_j: one bag of α-weighted rows of g per (target, block).
         out = F.embedding_bag(plan.bag_rows, g.view(-1, F_out), plan.bag_offsets, mode="sum",
                               per_sample_weights=alpha.view(-1).index_select(0, plan.order), include_last_offset=True)
-        out = out.view(n_targets, R, H, F_out) + self.bias
+        out = out.view(n_targets, R, H, F_out).add_(self.bias)
         if self.activation is not None:
             out = self.activation(out)
         if self.is_concat:
