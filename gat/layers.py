@@ -35,7 +35,7 @@ class _BlockPlan:
     shape: tuple[int, int]
     t_crow: Tensor
     t_col: Tensor
-    t_perm: Tensor  # values of the transpose = values[t_perm]
+    t_order: Tensor  # one block's values in the transpose's order: block b's are values_b[t_order]
     t_shape: tuple[int, int]
 
     @classmethod
@@ -44,24 +44,27 @@ class _BlockPlan:
         n, nnz = crow.numel() - 1, col.numel()
         block = torch.arange(blocks, device=col.device)[:, None]
         row = torch.repeat_interleave(torch.arange(n, device=col.device), crow.diff())
-        rows = (row + block * n).reshape(-1)
-        cols = (col + block * num_cols).reshape(-1)
-        width = blocks * num_cols
-        order = torch.argsort(cols * (blocks * n) + rows)  # CSR of the transpose: sorted by (column, row)
-        t_crow = torch.zeros(width + 1, dtype=torch.long, device=col.device)
-        t_crow[1:] = torch.bincount(cols, minlength=width).cumsum(0)
-        crow_blocks = torch.cat([(crow[:-1] + block * nnz).reshape(-1), crow.new_tensor([blocks * nnz])])
+        order = torch.argsort(col * n + row)  # M^T in CSR: M's values sorted by (column, row)
+        t_crow = torch.zeros(num_cols + 1, dtype=torch.long, device=col.device)
+        t_crow[1:] = torch.bincount(col, minlength=num_cols).cumsum(0)
+
+        def blocks_of(pointers: Tensor) -> Tensor:
+            return torch.cat([(pointers[:-1] + block * nnz).reshape(-1), pointers.new_tensor([blocks * nnz])])
+
         # MKL's sparse kernels take 32-bit indices; int64 ones would be converted on every product.
-        return cls(crow=crow_blocks.int(), col=cols.int(), rows=rows, lengths=crow.diff().repeat(blocks),
-                   shape=(blocks * n, width), t_crow=t_crow.int(), t_col=rows[order].int(), t_perm=order,
-                   t_shape=(width, blocks * n))
+        return cls(crow=blocks_of(crow).int(), col=(col + block * num_cols).reshape(-1).int(),
+                   rows=(row + block * n).reshape(-1), lengths=crow.diff().repeat(blocks),
+                   shape=(blocks * n, blocks * num_cols), t_crow=blocks_of(t_crow).int(),
+                   t_col=(row[order] + block * n).reshape(-1).int(), t_order=order,
+                   t_shape=(blocks * num_cols, blocks * n))
 
     def matrix(self, values: Tensor) -> Tensor:
         return torch.sparse_csr_tensor(self.crow, self.col, values, self.shape, check_invariants=False)
 
     def transpose(self, values: Tensor) -> Tensor:
-        return torch.sparse_csr_tensor(self.t_crow, self.t_col, values.index_select(0, self.t_perm),
-                                       self.t_shape, check_invariants=False)
+        # One block's permutation applied to every block: an index of nnz, not B·nnz, stays in cache.
+        transposed = values.view(-1, self.t_order.numel()).index_select(1, self.t_order).view(-1)
+        return torch.sparse_csr_tensor(self.t_crow, self.t_col, transposed, self.t_shape, check_invariants=False)
 
 
 @dataclass(frozen=True)
