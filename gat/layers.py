@@ -174,8 +174,10 @@ def elu(x: Tensor) -> Tensor:
 
 
 class _SegmentSoftmax(torch.autograd.Function):
-    """segment_softmax with its gradient in closed form, ∂L/∂e = α ∘ (g - Σ_segment g ∘ α) for g = ∂L/∂α:
-    five passes over the scores, where autograd's chain through max, exp, sum and the gathers takes twice that."""
+    """segment_softmax with its gradient in closed form: ∂L/∂e = α ∘ (g - Σ_segment g ∘ α) for g = ∂L/∂α.
+
+    That is five passes over the scores; autograd's chain through max, exp, sum and the gathers takes twice as many.
+    """
 
     @staticmethod
     def forward(ctx, e: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
@@ -292,7 +294,8 @@ class GraphAttentionLayer(nn.Module):
         return self._plans[key]
 
     def _inference_plan(self, neighbourhoods: Neighbourhoods, blocks: int) -> _InferencePlan:
-        key = (neighbourhoods.crow.data_ptr(), neighbourhoods.num_edges, blocks, "inference", str(neighbourhoods.crow.device))
+        crow = neighbourhoods.crow
+        key = (crow.data_ptr(), neighbourhoods.num_edges, blocks, "inference", str(crow.device))
         if key not in self._plans:
             self._plans[key] = _InferencePlan.build(neighbourhoods, blocks)
         return self._plans[key]
@@ -332,7 +335,8 @@ class GraphAttentionLayer(nn.Module):
         attention = self._plan(neighbourhoods.crow, neighbourhoods.source, n_sources, B)
 
         # a^T [g_i || g_j] = a_1·g_i + a_2·g_j: score each node once, then gather to edges (O(E), not O(N²)).
-        # As a^T g^T, [B, 2, n_sources]: with the nodes as the long output axis, BLAS is twice as fast, backward included.
+        # As a^T g^T, [B, 2, n_sources]: with the nodes as the long output axis, BLAS is twice as fast,
+        # backward included.
         a = torch.stack([self.a_target, self.a_source], dim=2).view(B, 2, F_out)
         scores = torch.bmm(a, g.transpose(1, 2)) + torch.stack([self.b_target, self.b_source], dim=2).view(B, 2, 1)
         score_target, score_source = scores.unbind(1)  # [B, n_sources] each
@@ -382,8 +386,8 @@ class GraphAttentionLayer(nn.Module):
         if neighbourhoods.target_in_source is not None:
             score_target = score_target.index_select(0, neighbourhoods.target_in_source)
         score_target = score_target + (self.b_target + self.b_source).view(B)
-        e = F.leaky_relu(score_target.index_select(0, neighbourhoods.target)
-                         + score_source.index_select(0, neighbourhoods.source), self.negative_slope, inplace=True)  # [E, B]
+        e = F.leaky_relu(score_target.index_select(0, neighbourhoods.target)  # [E, B]
+                         + score_source.index_select(0, neighbourhoods.source), self.negative_slope, inplace=True)
 
         # segment_softmax() along the edge axis: each neighbourhood is a contiguous run of rows of B scores,
         # and embedding_bag sums such runs several times faster than segment_reduce does.
