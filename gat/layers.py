@@ -19,6 +19,15 @@ from gat.graph import Neighbourhoods, SparseFeatures
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
 
 
+def per_replica(product: Callable[[int], Tensor], replicas: int) -> Tensor:
+    """torch.stack of product(r) over the replicas: one dense BLAS call per replica, never one batched over them.
+
+    MKL's batched kernels round a matrix differently depending on its position in the batch (on Cora's
+    shapes too), so a product batched over replicas would make a seed's result depend on its batch-mates.
+    """
+    return torch.stack([product(r) for r in range(replicas)])
+
+
 @dataclass(frozen=True)
 class _BlockPlan:
     """Index structure of a block-diagonal CSR matrix diag(M_1, ..., M_B) and of its transpose.
@@ -315,10 +324,10 @@ class GraphAttentionLayer(nn.Module):
             g = _BlockSparseMatmul.apply(values.reshape(-1), self.W.reshape(-1, F_out), plan)
             return g.view(R * H, h.num_nodes, F_out)
         N = h.shape[0]
-        h = h.transpose(0, 1).unsqueeze(1)  # [R, 1, N, F_in]: one input, a mask per head
+        h = h.transpose(0, 1).contiguous().unsqueeze(1)  # [R, 1, N, F_in]: one input, a mask per head
         if noise is not None:
             h = h * noise.keep(H, N, h.shape[-1], device=h.device)
-        return torch.matmul(h, self.W).view(R * H, N, F_out)
+        return per_replica(lambda r: torch.matmul(h[r], self.W[r]), R).view(R * H, N, F_out)
 
     def forward(self, h: Tensor | SparseFeatures, neighbourhoods: Neighbourhoods,
                 noise: ReplicaDropout | None = None) -> Tensor:
@@ -335,11 +344,11 @@ class GraphAttentionLayer(nn.Module):
         attention = self._plan(neighbourhoods.crow, neighbourhoods.source, n_sources, B)
 
         # a^T [g_i || g_j] = a_1·g_i + a_2·g_j: score each node once, then gather to edges (O(E), not O(N²)).
-        # As a^T g^T, [B, 2, n_sources]: with the nodes as the long output axis, BLAS is twice as fast,
-        # backward included.
-        a = torch.stack([self.a_target, self.a_source], dim=2).view(B, 2, F_out)
-        scores = torch.bmm(a, g.transpose(1, 2)) + torch.stack([self.b_target, self.b_source], dim=2).view(B, 2, 1)
-        score_target, score_source = scores.unbind(1)  # [B, n_sources] each
+        a = torch.stack([self.a_target, self.a_source], dim=-1)  # [R, H, F', 2]
+        blocks = g.view(R, H, n_sources, F_out)
+        scores = per_replica(lambda r: torch.matmul(blocks[r], a[r]), R).view(B, n_sources, 2)
+        scores = scores + torch.stack([self.b_target, self.b_source], dim=-1).view(B, 1, 2)
+        score_target, score_source = scores.unbind(-1)  # [B, n_sources] each
         if neighbourhoods.target_in_source is not None:
             score_target = score_target.index_select(1, neighbourhoods.target_in_source)
         e = F.leaky_relu(score_target.index_select(1, neighbourhoods.target)
@@ -372,16 +381,19 @@ class GraphAttentionLayer(nn.Module):
             wide = self.W.permute(2, 0, 1, 3).reshape(h.num_features, B * F_out)
             g = F.embedding_bag(h.col, wide, h.crow, mode="sum", per_sample_weights=h.values, include_last_offset=True)
         else:
-            # g^T = W^T h^T per replica: with the nodes as the long output axis, BLAS is 4x faster on these shapes.
-            g = torch.bmm(self.W.transpose(2, 3).reshape(R, H * F_out, -1), h.permute(1, 2, 0))
-            g = g.permute(2, 0, 1).contiguous()
+            # g^T = W^T h^T: with the nodes as the long output axis, BLAS is 4x faster on these shapes.
+            h = h.transpose(0, 1).contiguous()  # [R, N_src, F_in]
+            W = self.W.transpose(2, 3).reshape(R, H * F_out, -1)
+            g = per_replica(lambda r: torch.mm(W[r], h[r].t()), R).permute(2, 0, 1).contiguous()
         g = g.view(n_sources, R, H * F_out)
 
         # Both halves of a for all heads of a replica as one block-diagonal [H·F', 2H] matrix: column k·H + h
         # holds a_k of head h, so one product scores every node, and each half comes out as [N_src, B].
         a = torch.stack([self.a_target, self.a_source], dim=2)  # [R, H, 2, F']
         a = torch.diag_embed(a.permute(0, 3, 2, 1)).permute(0, 3, 1, 2, 4).reshape(R, H * F_out, 2 * H)
-        scores = torch.bmm(g.transpose(0, 1), a).view(R, n_sources, 2, H).permute(2, 1, 0, 3).reshape(2, n_sources, B)
+        replica_major = g.transpose(0, 1).contiguous()  # [R, N_src, H·F']
+        scores = per_replica(lambda r: torch.mm(replica_major[r], a[r]), R)  # [R, N_src, 2H]
+        scores = scores.view(R, n_sources, 2, H).permute(2, 1, 0, 3).reshape(2, n_sources, B)
         score_target, score_source = scores.unbind(0)
         if neighbourhoods.target_in_source is not None:
             score_target = score_target.index_select(0, neighbourhoods.target_in_source)

@@ -79,6 +79,45 @@ def test_a_replicas_step_does_not_depend_on_the_batch(graph) -> None:
             assert torch.equal(gradient[r], single[2][name][0]), (seeds, name)
 
 
+
+def test_a_replica_does_not_depend_on_the_batch_at_coras_size() -> None:
+    """The same at Cora's size and with the paper's model, where BLAS and MKL pick other code paths than
+    on a toy graph: a training step on the training nodes' receptive field, then the validation pass."""
+    n, f_in, classes = 2708, 1433, 7
+    generator = torch.Generator().manual_seed(3)
+    x = torch.rand(n, f_in, generator=generator) * (torch.rand(n, f_in, generator=generator) < 0.013)
+    x = SparseFeatures.from_csr(x / x.sum(1, keepdim=True).clamp(min=1e-12))
+    edge_index = torch.randint(0, n, (2, 5278), generator=generator)
+    neighbourhoods = Neighbourhoods.from_edge_index(torch.cat([edge_index, edge_index.flip(0)], dim=1), n)
+    labels = torch.randint(0, classes, (n,), generator=generator)
+    paper = ModelConfig(hidden_features=8, heads=8, output_heads=1, dropout=0.6, leaky_relu_negative_slope=0.2)
+
+    def view(nodes: torch.Tensor):
+        inputs, blocks = receptive_field(neighbourhoods, nodes, 2)
+        return x.rows(inputs), blocks, labels[nodes], torch.arange(nodes.numel())
+
+    train_view, val_view = view(torch.arange(140)), view(torch.arange(200, 700))
+
+    def step_and_evaluate(seeds: list[int]):
+        model = GAT(paper, f_in, classes, seeds=seeds).train()
+        inputs, blocks, target, rows = train_view
+        loss, _ = loss_and_accuracy(model(inputs, blocks, ReplicaDropout(seeds, paper.dropout)), target, rows)
+        loss.sum().backward()
+        with torch.no_grad():
+            inputs, blocks, _, _ = val_view
+            validation = model.eval()(inputs, blocks)
+        return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, validation
+
+    single = step_and_evaluate([22])
+    for seeds in ([22, 44], [11, 22, 33], [11, 22, 33, 44], [5, 6, 7, 8, 9, 22, 10]):
+        loss, gradients, validation = step_and_evaluate(seeds)
+        r = seeds.index(22)
+        assert torch.equal(loss[r], single[0][0]), seeds
+        for name, gradient in gradients.items():
+            assert torch.equal(gradient[r], single[1][name][0]), (seeds, name)
+        assert torch.equal(validation[:, r], single[2][:, 0]), seeds
+
+
 def test_keep_replicas(graph) -> None:
     x, neighbourhoods = graph
     model = GAT(CONFIG, F_IN, C, seeds=[11, 22, 33]).eval()
