@@ -130,6 +130,28 @@ def predict(model: GAT, graph: GraphTensors) -> Tensor:
     return model(graph.x, graph.neighbourhoods)
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """A trained model's figures on the validation and test splits, per replica.
+
+    Shapes: val_loss, val_acc, test_loss, test_acc: [R]; predicted: [N, R] class ids of every node
+    """
+
+    val_loss: Tensor
+    val_acc: Tensor
+    test_loss: Tensor
+    test_acc: Tensor
+    predicted: Tensor
+
+
+def evaluate(model: GAT, graph: GraphTensors) -> Evaluation:
+    """The one evaluation: every stage and the benchmark measure a trained model through it."""
+    logits = predict(model, graph)  # [N, R, C]
+    val_loss, val_acc = loss_and_accuracy(logits, graph.labels, graph.val_idx)
+    test_loss, test_acc = loss_and_accuracy(logits, graph.labels, graph.test_idx)
+    return Evaluation(val_loss, val_acc, test_loss, test_acc, logits.argmax(-1))
+
+
 class EarlyStopping:
     """The rule of the authors' `execute_cora.py`, vectorised over replicas.
 
