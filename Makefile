@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DVC_NO_ANALYTICS := 1
 PIP_INSTALL := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: repro test ui bench constraints clean
+.PHONY: repro test lint ui bench constraints clean
 
 $(VENV)/.runtime: requirements.txt constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ repro: $(VENV)/.runtime
 test: $(VENV)/.dev
 	$(RUN) $(BIN)/python -m pytest tests
 
+## lint: set up .venv with the dev requirements, then ruff and mypy (ruff.toml, mypy.ini) on the code
+lint: $(VENV)/.dev
+	$(BIN)/ruff check gat stages benchmarks
+	$(BIN)/mypy gat stages benchmarks
+
 ## ui: the MLflow UI on http://127.0.0.1:5000 against the project's store
 ui: $(VENV)/.runtime
 	$(RUN) $(BIN)/python -m stages.init_store
@@ -38,7 +43,8 @@ ui: $(VENV)/.runtime
 	  --backend-store-uri "$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}" \
 	  --artifacts-destination "$(CURDIR)/mlartifacts"
 
-## bench: time this engine against PyTorch Geometric and the dense tutorial layer
+## bench: time this engine against PyTorch Geometric and the dense tutorial layer on Cora
+## (from ../shared/datasets/planetoid, else from data/raw/cora, which `make repro` downloads)
 bench: $(VENV)/.dev
 	$(RUN) $(BIN)/python -m benchmarks.engine --out reports/benchmark.json
 

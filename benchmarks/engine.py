@@ -6,19 +6,20 @@ Three implementations of the paper's Cora model (8 heads x 8 features concatenat
 output head, dropout 0.6, Adam with lr 0.005 and L2 5e-4), each timed for
 
 - a training step: forward, backward and optimiser step, as one epoch of training does it;
-- an evaluation pass: the validation loss and accuracy with dropout off, as every epoch does it.
+- an evaluation pass: a forward pass with dropout off, then the validation loss and accuracy.
 
 The implementations:
 
-- `engine`: `gat.model.GAT`, stepped exactly as `gat.training.train` steps it: the loss is
-  computed on the training nodes' receptive field (`NodeView`), the validation pass on the
-  validation nodes' one. One replica, and, as a second row, the cost per seed of a batch of
-  seeds trained in one model (how the reproduce stage runs). One intra-op thread, as the
-  pipeline runs it.
+- `engine`: `gat.model.GAT`, stepped by `gat.training.train_step`, the step of every epoch of
+  `gat.training.train` (the loss on the training nodes' receptive field, `NodeView`), and
+  evaluated by `gat.training.evaluate`, the evaluation of every stage (a whole-graph forward
+  pass, then the validation and test loss and accuracy). One replica, and, as a second row,
+  the cost per seed of a batch of seeds trained in one model (how the reproduce stage runs).
+  One intra-op thread, as the pipeline runs it.
 - `pyg`: `torch_geometric.nn.GATConv` in the architecture of PyG's `examples/gat.py`, on the
   whole graph with dense row-normalised features; at one and at two intra-op threads. The
   faster of the two is the reference the ratios are taken against.
-- `dense`: the tutorial's `GraphAttentionLayer` (tests/dense_reference.py), O(N²·H) memory;
+- `dense`: the tutorial's `GraphAttentionLayer` (benchmarks/dense_reference.py), O(N²·H) memory;
   on the whole graph when its estimated peak fits in the available memory, else on an
   induced subgraph (the output says which).
 
@@ -28,13 +29,15 @@ hits all of them alike; the report gives medians with the 10th and 90th percenti
 resident set size is per process and only grows, so each implementation's training is run
 again in a fresh process of its own (`--peak-of KEY`), and a process that only imports torch
 is measured as the baseline.
+
+The raw Cora files come from `--data-dir`; by default from ../shared/datasets/planetoid when
+that folder exists, else from data/raw/cora, where `make repro` downloads them. They are checked
+against the pinned SHA-256 list (stages/checksums/planetoid.sha256) either way.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -44,7 +47,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import psutil
@@ -52,16 +55,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from benchmarks import dense_reference
 from gat.config import ModelConfig
 from gat.data import Graph, file_names, parse_planetoid
 from gat.dropout import ReplicaDropout
 from gat.graph import Neighbourhoods
 from gat.model import GAT
-from gat.training import GraphTensors, NodeView
+from gat.training import GraphTensors, NodeView, evaluate, loss_and_accuracy, train_step
+from stages._common import StageError, write_json
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "datasets" / "planetoid"
 DATASET = "cora"
+# Where the raw files are looked for without --data-dir, in this order: the machines' shared copy,
+# then the download stage's output (`make repro`).
+SHARED_DATA_DIR = REPO_ROOT.parent / "shared" / "datasets" / "planetoid"
+DOWNLOADED_DATA_DIR = REPO_ROOT / "data" / "raw" / DATASET
 
 # The paper's Cora model and optimiser (params.yaml's `model` and `train` sections hold the same values).
 MODEL = ModelConfig(hidden_features=8, heads=8, output_heads=1, dropout=0.6, leaky_relu_negative_slope=0.2)
@@ -82,12 +90,18 @@ MIB = 2**20
 
 # Loading Cora ------------------------------------------------------------------------------------
 
-class BenchmarkError(RuntimeError):
-    """A problem the user can fix (a missing data folder, a wrong checksum); printed without a traceback."""
-
-
 # Consecutive timed calls per turn: a training loop runs step after step with its data in cache.
 BURST = 5
+
+
+def default_data_dir() -> Path:
+    """SHARED_DATA_DIR when it exists, else DOWNLOADED_DATA_DIR; failing both, say how to get the files."""
+    for folder in (SHARED_DATA_DIR, DOWNLOADED_DATA_DIR):
+        if folder.is_dir():
+            return folder
+    raise StageError(f"no Cora files: neither {SHARED_DATA_DIR} nor {DOWNLOADED_DATA_DIR} exists; run `make repro` "
+                     "first (it downloads them there) or pass --data-dir FOLDER")
+
 
 def read_raw(folder: Path, dataset: str = DATASET, verify: bool = True) -> dict[str, bytes]:
     """The eight raw `ind.<dataset>.*` files' bytes, checked against stages/checksums/planetoid.sha256 when `verify`."""
@@ -95,19 +109,14 @@ def read_raw(folder: Path, dataset: str = DATASET, verify: bool = True) -> dict[
     names = file_names(dataset)
     missing = [name for name in names if not (folder / name).is_file()]
     if missing:
-        raise BenchmarkError(f"{folder} does not hold the Planetoid files {', '.join(missing)}: pass "
-                             f"--data-dir FOLDER, a folder with the eight ind.{dataset}.* files")
-    raw = {name: (folder / name).read_bytes() for name in names}
-    if verify:
-        # Imported here: stages._fetch pulls in requests, which the peak-RSS processes should not pay for.
-        from stages._fetch import CHECKSUMS, read_checksums
+        raise StageError(f"{folder} does not hold the Planetoid files {', '.join(missing)}: pass "
+                         f"--data-dir FOLDER, a folder with the eight ind.{dataset}.* files")
+    if not verify:
+        return {name: (folder / name).read_bytes() for name in names}
+    # Imported here: stages._fetch pulls in requests, which the peak-RSS processes should not pay for.
+    from stages._fetch import read_checksums, read_verified
 
-        expected = read_checksums(names)
-        for name, data in raw.items():
-            if hashlib.sha256(data).hexdigest() != expected[name]:
-                raise BenchmarkError(f"{folder / name} does not match its SHA-256 in {CHECKSUMS}: "
-                                     "pass --data-dir with the genuine Planetoid files")
-    return raw
+    return read_verified(folder, read_checksums(names), producer=f"download@{dataset}")
 
 
 def load_graph(folder: Path, dataset: str = DATASET, verify: bool = True) -> Graph:
@@ -130,28 +139,22 @@ class Runner:
 
 
 def build_engine(graph: Graph, seeds: Sequence[int] = (0,)) -> Runner:
-    """`gat.model.GAT`, one replica per seed, stepped as one epoch of `gat.training.train`."""
+    """`gat.model.GAT`, one replica per seed: trained by `gat.training.train`'s step, measured by its `evaluate`."""
     tensors = GraphTensors.from_graph(graph)
     model = GAT(MODEL, tensors.x.num_features, tensors.num_classes, seeds)
     noise = ReplicaDropout(seeds, MODEL.dropout)
     optimiser = torch.optim.Adam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     train_view = NodeView.of(tensors, tensors.train_idx, model.n_layers)
-    val_view = NodeView.of(tensors, tensors.val_idx, model.n_layers)
 
-    def train_step() -> Tensor:
-        model.train()
-        optimiser.zero_grad(set_to_none=True)
-        loss, _ = train_view.loss_and_accuracy(model, noise)
-        loss.sum().backward()
-        optimiser.step()
-        return loss.detach()
+    def step() -> Tensor:
+        loss, _ = train_step(model, optimiser, train_view, noise)
+        return loss
 
     def eval_pass() -> tuple[Tensor, Tensor]:
-        model.eval()
-        with torch.no_grad():
-            return val_view.loss_and_accuracy(model)
+        evaluation = evaluate(model, tensors)
+        return evaluation.val_loss, evaluation.val_acc
 
-    return Runner(train_step, eval_pass)
+    return Runner(step, eval_pass)
 
 
 class PygGAT(nn.Module):
@@ -190,7 +193,7 @@ def whole_graph_runner(model: nn.Module, inputs: tuple, labels: Tensor, train_id
     """A reference model stepped as its own example script would: whole-graph forward, loss on the training nodes."""
     optimiser = torch.optim.Adam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
-    def train_step() -> Tensor:
+    def step() -> Tensor:
         model.train()
         optimiser.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(*inputs)[train_idx], labels[train_idx])
@@ -201,28 +204,10 @@ def whole_graph_runner(model: nn.Module, inputs: tuple, labels: Tensor, train_id
     def eval_pass() -> tuple[Tensor, Tensor]:
         model.eval()
         with torch.no_grad():
-            return _loss_and_accuracy(model(*inputs), labels, val_idx)
+            logits = model(*inputs).unsqueeze(1)  # [N, 1, C]: one replica, as loss_and_accuracy takes them
+            return loss_and_accuracy(logits, labels, val_idx)
 
-    return Runner(train_step, eval_pass)
-
-
-def _loss_and_accuracy(logits: Tensor, labels: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
-    """Mean cross-entropy and accuracy of one model on the nodes in `index`: logits [N, C] -> ([1], [1])."""
-    picked, target = logits[index], labels[index]
-    loss = F.cross_entropy(picked, target)
-    accuracy = (picked.argmax(-1) == target).double().mean()
-    return loss.view(1), accuracy.view(1)
-
-
-def _dense_reference():
-    """tests/dense_reference.py, loaded by path: `tests` is no package, and an installed `tests` could shadow it."""
-    name = "dense_reference"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tests" / "dense_reference.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return Runner(step, eval_pass)
 
 
 class TutorialGAT(nn.Module):
@@ -233,7 +218,7 @@ class TutorialGAT(nn.Module):
 
     def __init__(self, in_features: int, num_classes: int):
         super().__init__()
-        layer = _dense_reference().GraphAttentionLayer
+        layer = dense_reference.GraphAttentionLayer
         common = dict(dropout=MODEL.dropout, leaky_relu_negative_slope=MODEL.leaky_relu_negative_slope)
         hidden = MODEL.hidden_features * MODEL.heads
         self.layer1 = layer(in_features, hidden, MODEL.heads, is_concat=True, **common)
@@ -285,7 +270,7 @@ def dense_inputs(graph: Graph, n: int) -> DenseInputs:
     source, target = graph.edge_index
     inside = (source < n) & (target < n)
     neighbourhoods = Neighbourhoods.from_edge_index(graph.edge_index[:, inside], n)  # adds the self-loops
-    adjacency = _dense_reference().adjacency(neighbourhoods)
+    adjacency = dense_reference.adjacency(neighbourhoods)
     return DenseInputs(graph.features.to_dense()[:n], adjacency, graph.labels[:n],
                        graph.train_idx[graph.train_idx < n], graph.val_idx[graph.val_idx < n])
 
@@ -334,13 +319,14 @@ def cases(graph: Graph, *, repeats: int, warmup: int, dense_repeats: int, dense_
     """Everything timed, in table order."""
     seeds = tuple(range(batched_seeds))
     val = f"validation loss and accuracy on the {graph.val_idx.numel()} validation nodes"
-    fast = dict(warmup=warmup, repeats=repeats, burst=BURST, rewarm=1)
+    fast: dict[str, Any] = dict(warmup=warmup, repeats=repeats, burst=BURST, rewarm=1)
+    engine_eval = f"gat.training.evaluate: whole-graph forward pass, then {val} (and the test split's)"
     listed = [
         Case("engine", "this engine (1 seed)", build_engine, 1, "full Cora (training nodes' receptive field)",
-             f"{val}: their receptive field only", **fast),
+             engine_eval, **fast),
         Case("engine_batched", f"this engine, per seed of {batched_seeds} batched",
              lambda g: build_engine(g, seeds), 1, "full Cora (training nodes' receptive field)",
-             f"{val}: their receptive field only", replicas=batched_seeds, **fast),
+             engine_eval, replicas=batched_seeds, **fast),
     ]
     for threads in sorted({1, DEFAULT_THREADS}):
         listed.append(Case(f"pyg_{threads}t", f"PyG GATConv ({threads} thread{'s' * (threads > 1)})", build_pyg,
@@ -608,15 +594,6 @@ def build_report(entries: dict[str, dict], reference_key: str, environment: dict
     }
 
 
-def write_report(path: Path, report: dict) -> None:
-    """Write the report atomically (a crash never leaves half a JSON file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(json.dumps(report, indent=2) + "\n")
-    temporary.replace(path)
-
-
 def _fmt(value: float | None, pattern: str) -> str:
     return "n/a" if value is None else format(value, pattern)
 
@@ -653,8 +630,9 @@ def format_table(report: dict) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "reports" / "benchmark.json")
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
-                        help="folder with the raw ind.cora.* files (default: %(default)s)")
+    parser.add_argument("--data-dir", type=Path,
+                        help=f"folder with the raw ind.cora.* files (default: {SHARED_DATA_DIR} if it exists, "
+                             f"else {DOWNLOADED_DATA_DIR}, from `make repro`)")
     parser.add_argument("--repeats", type=int, default=50, help="timed calls of the engine and PyG cases")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls before them")
     parser.add_argument("--dense-repeats", type=int, default=3, help="timed calls of the dense model (seconds each)")
@@ -709,7 +687,7 @@ def run(args: argparse.Namespace) -> dict:
              "dense_estimated_peak_gb": dense_peak_bytes(args.dense_nodes) / 2**30,
              "total_wall_s": time.perf_counter() - started}
     report = build_report(entries, reference_key, machine(), graph, baseline, extra)
-    write_report(args.out, report)
+    write_json(args.out, report)  # atomically: a crash never leaves half a report
     print(format_table(report))
     print(f"\nwritten: {args.out}")
     return report
@@ -719,8 +697,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for the report's `command`
     try:
+        if args.data_dir is None:
+            args.data_dir = default_data_dir()
         run_peak_child(args) if args.peak_of else run(args)
-    except BenchmarkError as error:
+    except StageError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
 

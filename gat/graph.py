@@ -2,15 +2,50 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterator, TypeVar
 
 import torch
 from torch import Tensor
 
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def csr_beta_warning_silenced() -> Iterator[None]:
+    """Ignore torch's "Sparse CSR tensor support is in beta" notice inside the block, and only there.
+
+    CSR products are the point of this engine, so the notice would print on every run; a filter
+    installed at import would hide it from the rest of the program too.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+        yield
+
 
 @dataclass(frozen=True)
-class Neighbourhoods:
+class _Memoising:
+    """A graph structure that keeps what is derived from it (the layers' index plans) for as long as it lives.
+
+    On the object, not in a cache keyed by its tensors' addresses: a freed tensor's address is
+    reused by the next allocation, and such a cache would hand the stale plan to the new tensor.
+    The memo takes no part in equality or repr, and `.to(device)` makes a new object with an empty one.
+    """
+
+    _memo: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def memoised(self, key: Hashable, build: Callable[[], T]) -> T:
+        """`build()`, called once per key for the lifetime of this object."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+
+@dataclass(frozen=True)
+class Neighbourhoods(_Memoising):
     """The incoming edges of a set of target nodes, self-loops included, sorted by target.
 
     Sorting by target makes each target's neighbourhood one contiguous segment, so the
@@ -99,7 +134,7 @@ def receptive_field(graph: Neighbourhoods, nodes: Tensor, layers: int) -> tuple[
 
 
 @dataclass(frozen=True)
-class SparseFeatures:
+class SparseFeatures(_Memoising):
     """Row-normalised bag-of-words features kept sparse (Cora: 1.3% non-zero).
 
     `values` is what input dropout touches: dropping a zero changes nothing, so masking
@@ -116,7 +151,8 @@ class SparseFeatures:
 
     @classmethod
     def from_csr(cls, x: Tensor) -> "SparseFeatures":
-        x = x.to_sparse_csr()
+        with csr_beta_warning_silenced():
+            x = x.to_sparse_csr()
         return cls(x.crow_indices().long(), x.col_indices().long(), x.values(), x.shape[1])
 
     @property
@@ -139,7 +175,8 @@ class SparseFeatures:
     def to_dense(self) -> Tensor:
         """x: [N, F_in]."""
         shape = (self.num_nodes, self.num_features)
-        return torch.sparse_csr_tensor(self.crow, self.col, self.values, shape, check_invariants=False).to_dense()
+        with csr_beta_warning_silenced():
+            return torch.sparse_csr_tensor(self.crow, self.col, self.values, shape, check_invariants=False).to_dense()
 
     def to(self, device: torch.device | str) -> "SparseFeatures":
         return SparseFeatures(self.crow.to(device), self.col.to(device), self.values.to(device), self.num_features)

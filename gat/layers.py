@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -12,11 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gat.dropout import ReplicaDropout
-from gat.graph import Neighbourhoods, SparseFeatures
-
-
-# CSR products are the point of this engine; torch's "beta" notice would print on every run.
-warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
+from gat.graph import Neighbourhoods, SparseFeatures, csr_beta_warning_silenced
 
 
 def per_replica(product: Callable[[Tensor, Tensor], Tensor], left: Tensor, right: Tensor) -> Tensor:
@@ -37,7 +33,8 @@ class _BlockPlan:
 
     Every block shares the sparsity pattern of one base matrix M (the features x, or the
     neighbourhoods' adjacency); only the values differ per block and per step, so the
-    structure is built once. Values are laid out block after block, each in M's CSR order.
+    structure is built once and kept on M's object (`memoised`). Values are laid out block
+    after block, each in M's CSR order.
     """
 
     crow: Tensor     # int32, as are col, t_crow and t_col
@@ -121,16 +118,18 @@ class _BlockSparseMatmul(torch.autograd.Function):
     def forward(ctx, values: Tensor, dense: Tensor, plan: _BlockPlan) -> Tensor:
         ctx.plan = plan
         ctx.save_for_backward(values, dense)
-        return plan.matrix(values) @ dense
+        with csr_beta_warning_silenced():
+            return plan.matrix(values) @ dense
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         values, dense = ctx.saved_tensors
         plan = ctx.plan
         grad_values = None
-        if ctx.needs_input_grad[0]:
-            grad_values = torch.sparse.sampled_addmm(plan.matrix(values), grad, dense.t(), beta=0.0).values()
-        return grad_values, plan.transpose(values) @ grad, None
+        with csr_beta_warning_silenced():
+            if ctx.needs_input_grad[0]:
+                grad_values = torch.sparse.sampled_addmm(plan.matrix(values), grad, dense.t(), beta=0.0).values()
+            return grad_values, plan.transpose(values) @ grad, None
 
 
 class _AddBias(torch.autograd.Function):
@@ -187,34 +186,41 @@ class _SegmentSoftmax(torch.autograd.Function):
     """segment_softmax with its gradient in closed form: ∂L/∂e = α ∘ (g - Σ_segment g ∘ α) for g = ∂L/∂α.
 
     That is five passes over the scores; autograd's chain through max, exp, sum and the gathers takes twice as many.
+    The forward pass works in place on its own intermediates, which autograd never sees.
     """
 
     @staticmethod
-    def forward(ctx, e: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
-        shift = torch.segment_reduce(e, "max", lengths=lengths, unsafe=True)
+    def forward(ctx, e: Tensor, lengths: Tensor, rows: Tensor, segment_sum: Callable[[Tensor], Tensor]) -> Tensor:
+        shift = torch.segment_reduce(e, "max", lengths=lengths, axis=0, unsafe=True)
         exp = (e - shift.index_select(0, rows)).exp_()
-        alpha = exp.div_(torch.segment_reduce(exp, "sum", lengths=lengths, unsafe=True).index_select(0, rows))
-        ctx.save_for_backward(alpha, lengths, rows)
+        alpha = exp.div_(segment_sum(exp).index_select(0, rows))
+        ctx.segment_sum = segment_sum
+        ctx.save_for_backward(alpha, rows)
         return alpha
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        alpha, lengths, rows = ctx.saved_tensors
+        alpha, rows = ctx.saved_tensors
         weighted = grad * alpha
-        total = torch.segment_reduce(weighted, "sum", lengths=lengths, unsafe=True).index_select(0, rows)
-        return weighted - alpha * total, None, None
+        total = ctx.segment_sum(weighted).index_select(0, rows)
+        return weighted - alpha * total, None, None, None
 
 
-def segment_softmax(e: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
-    """Softmax of scores grouped in contiguous segments (one per target node and block).
+def segment_softmax(e: Tensor, lengths: Tensor, rows: Tensor,
+                    segment_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """Softmax of scores grouped in contiguous segments along axis 0 (one per target node and block).
 
     Subtracting each segment's max keeps exp() from overflowing; softmax is invariant to
-    the shift, so it does not enter the gradient.
+    the shift, so it does not enter the gradient. `segment_sum` sums each segment, [S, ...] -> [G, ...]:
+    segment_reduce by default; the node-major inference pass brings a faster one for its [E, B] scores.
 
     Shapes:
-        e: [S] scores, segment after segment; lengths: [G] segment sizes; rows: [S] segment of each score
+        e: [S] or [S, B] scores, segment after segment; lengths: [G] segment sizes; rows: [S] segment of each score
     """
-    return _SegmentSoftmax.apply(e, lengths, rows)
+    if segment_sum is None:
+        def segment_sum(x: Tensor) -> Tensor:
+            return torch.segment_reduce(x, "sum", lengths=lengths, axis=0, unsafe=True)
+    return _SegmentSoftmax.apply(e, lengths, rows, segment_sum)
 
 
 class GraphAttentionLayer(nn.Module):
@@ -238,10 +244,11 @@ class GraphAttentionLayer(nn.Module):
     c^k, and `dropout` hits three places: the layer input (a fresh mask per head), the
     transformed features g, and the attention coefficients α.
 
-    Training lays the R·H (replica, head) blocks out one after the other, so that each block
-    gets its own dropout masks and its gradients reduce along contiguous rows. Inference (no
-    dropout, no autograd: validation, testing, prediction) computes the same function node-major,
-    with the first layer's input product shared by all blocks, in fewer and faster kernels.
+    The module's mode picks the layout. Training mode (`train()`) lays the R·H (replica, head)
+    blocks out one after the other, so that each block gets its own dropout masks and its
+    gradients reduce along contiguous rows. Eval mode (`eval()`: validation, testing, prediction)
+    has no dropout and computes the same function node-major, with the first layer's input
+    product shared by all blocks, in fewer and faster kernels; it is differentiable too.
 
     Args:
         in_features: F_in.
@@ -275,7 +282,6 @@ class GraphAttentionLayer(nn.Module):
         self.b_target = nn.Parameter(torch.zeros(shape))
         self.b_source = nn.Parameter(torch.zeros(shape))
         self.bias = nn.Parameter(torch.zeros(*shape, self.n_hidden))
-        self._plans: dict[tuple, _BlockPlan] = {}
         self.reset_parameters([torch.Generator().manual_seed(r) for r in range(n_replicas)])
 
     @property
@@ -284,7 +290,10 @@ class GraphAttentionLayer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generators: Sequence[torch.Generator]) -> None:
-        """Glorot-uniform weights (1x1 convolutions in the authors' code), zero biases; replica r draws from generators[r]."""
+        """Glorot-uniform weights (1x1 convolutions in the authors' code), zero biases.
+
+        Replica r draws from generators[r] alone.
+        """
 
         def glorot(fan_in: int, fan_out: int, *shape: int, generator: torch.Generator) -> Tensor:
             bound = math.sqrt(6.0 / (fan_in + fan_out))
@@ -297,19 +306,6 @@ class GraphAttentionLayer(nn.Module):
         for bias in (self.b_target, self.b_source, self.bias):
             bias.zero_()
 
-    def _plan(self, crow: Tensor, col: Tensor, num_cols: int, blocks: int) -> _BlockPlan:
-        key = (crow.data_ptr(), col.numel(), blocks, str(crow.device))
-        if key not in self._plans:
-            self._plans[key] = _BlockPlan.build(crow, col, num_cols, blocks)
-        return self._plans[key]
-
-    def _inference_plan(self, neighbourhoods: Neighbourhoods, blocks: int) -> _InferencePlan:
-        crow = neighbourhoods.crow
-        key = (crow.data_ptr(), neighbourhoods.num_edges, blocks, "inference", str(crow.device))
-        if key not in self._plans:
-            self._plans[key] = _InferencePlan.build(neighbourhoods, blocks)
-        return self._plans[key]
-
     def _transform(self, h: Tensor | SparseFeatures, noise: ReplicaDropout | None) -> Tensor:
         """g = W^k · dropout_k(h) for every replica and head.
 
@@ -321,7 +317,8 @@ class GraphAttentionLayer(nn.Module):
             values = h.values.expand(R, H, h.nnz)
             if noise is not None:
                 values = values * noise.keep(H, h.nnz, device=h.values.device)
-            plan = self._plan(h.crow, h.col, h.num_features, R * H)
+            build = functools.partial(_BlockPlan.build, h.crow, h.col, h.num_features, R * H)
+            plan = h.memoised((_BlockPlan, R * H), build)
             g = _BlockSparseMatmul.apply(values.reshape(-1), self.W.reshape(-1, F_out), plan)
             return g.view(R * H, h.num_nodes, F_out)
         N = h.shape[0]
@@ -332,17 +329,20 @@ class GraphAttentionLayer(nn.Module):
 
     def forward(self, h: Tensor | SparseFeatures, neighbourhoods: Neighbourhoods,
                 noise: ReplicaDropout | None = None) -> Tensor:
-        """`noise` draws the dropout masks; None means evaluation (no dropout).
+        """`noise` draws the dropout masks in training mode (None: no dropout); eval mode has none.
 
         `h` holds the features of the neighbourhoods' sources; the output is for its targets.
         """
-        if noise is None and not torch.is_grad_enabled():
+        if not self.training:
+            if noise is not None:
+                raise ValueError("dropout noise was passed to a layer in eval mode: call train() to apply dropout")
             return self._infer(h, neighbourhoods)
         R, H, F_out = self.n_replicas, self.n_heads, self.n_hidden
         B, n_targets, n_sources = R * H, neighbourhoods.num_targets, neighbourhoods.num_sources
         # B = R·H blocks of (replica, head), laid out block after block: [B, n_sources, F'].
         g = self._transform(h, noise)
-        attention = self._plan(neighbourhoods.crow, neighbourhoods.source, n_sources, B)
+        attention = neighbourhoods.memoised((_BlockPlan, B), functools.partial(
+            _BlockPlan.build, neighbourhoods.crow, neighbourhoods.source, n_sources, B))
 
         # a^T [g_i || g_j] = a_1·g_i + a_2·g_j: score each node once, then gather to edges (O(E), not O(N²)).
         a = torch.stack([self.a_target, self.a_source], dim=-1)  # [R, H, F', 2]
@@ -369,7 +369,9 @@ class GraphAttentionLayer(nn.Module):
         return out.mean(dim=1).transpose(0, 1)
 
     def _infer(self, h: Tensor | SparseFeatures, neighbourhoods: Neighbourhoods) -> Tensor:
-        """The same layer without dropout or autograd, laid out for speed: node-major throughout.
+        """The same layer without dropout, laid out for speed: node-major throughout.
+
+        Differentiable, for eval-mode gradients: its in-place steps overwrite nothing that autograd keeps.
 
         Shapes: as :meth:`forward`; internally g: [N_src, B, F'], scores: [E, B]
         """
@@ -403,11 +405,12 @@ class GraphAttentionLayer(nn.Module):
 
         # segment_softmax() along the edge axis: each neighbourhood is a contiguous run of rows of B scores,
         # and embedding_bag sums such runs several times faster than segment_reduce does.
-        plan = self._inference_plan(neighbourhoods, B)
-        shift = torch.segment_reduce(e, "max", lengths=neighbourhoods.degree, axis=0, unsafe=True)
-        exp = e.sub_(shift.index_select(0, neighbourhoods.target)).exp_()
-        total = F.embedding_bag(plan.edges, exp, neighbourhoods.crow, mode="sum", include_last_offset=True)
-        alpha = exp.div_(total.index_select(0, neighbourhoods.target))
+        plan = neighbourhoods.memoised((_InferencePlan, B), functools.partial(_InferencePlan.build, neighbourhoods, B))
+
+        def sum_runs(x: Tensor) -> Tensor:
+            return F.embedding_bag(plan.edges, x, neighbourhoods.crow, mode="sum", include_last_offset=True)
+
+        alpha = segment_softmax(e, neighbourhoods.degree, neighbourhoods.target, sum_runs)  # [E, B]
 
         # h'_i = Σ_j α_ij g_j: one bag of α-weighted rows of g per (target, block).
         out = F.embedding_bag(plan.bag_rows, g.view(-1, F_out), plan.bag_offsets, mode="sum",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +30,8 @@ class GAT(nn.Module):
     def __init__(self, config: ModelConfig, in_features: int, num_classes: int, seeds: Sequence[int]):
         super().__init__()
         self.config = config
-        common = dict(dropout=config.dropout, leaky_relu_negative_slope=config.leaky_relu_negative_slope,
-                      n_replicas=len(seeds))
+        common: dict[str, Any] = dict(dropout=config.dropout, n_replicas=len(seeds),
+                                      leaky_relu_negative_slope=config.leaky_relu_negative_slope)
         hidden = config.heads * config.hidden_features
         self.hidden = GraphAttentionLayer(in_features, hidden, config.heads, is_concat=True, activation=elu, **common)
         self.output = GraphAttentionLayer(hidden, num_classes, config.output_heads, is_concat=False, **common)
@@ -50,7 +50,10 @@ class GAT(nn.Module):
 
     def forward(self, x: SparseFeatures, neighbourhoods: Neighbourhoods | Sequence[Neighbourhoods],
                 noise: ReplicaDropout | None = None) -> Tensor:
-        """Logits of every node, or, given one block per layer (gat.graph.receptive_field), of the last block's targets."""
+        """Logits of every node, or of the last block's targets given one block per layer (receptive_field).
+
+        Dropout (`noise`) needs training mode; eval mode has none.
+        """
         first, second = [neighbourhoods] * 2 if isinstance(neighbourhoods, Neighbourhoods) else neighbourhoods
         h = self.hidden(x, first, noise)
         return self.output(h, second, noise)

@@ -152,6 +152,22 @@ def evaluate(model: GAT, graph: GraphTensors) -> Evaluation:
     return Evaluation(val_loss, val_acc, test_loss, test_acc, logits.argmax(-1))
 
 
+def train_step(model: GAT, optimiser: torch.optim.Optimizer, view: NodeView,
+               noise: ReplicaDropout | None) -> tuple[Tensor, Tensor]:
+    """One optimiser step on the loss of `view`'s nodes, in training mode: one epoch's update in :func:`train`.
+
+    Returns each replica's loss and accuracy before the step, under dropout (as the authors log them).
+
+    Shapes: -> loss: [R], accuracy: [R]
+    """
+    model.train()
+    optimiser.zero_grad(set_to_none=True)
+    loss, accuracy = view.loss_and_accuracy(model, noise)
+    loss.sum().backward()  # replicas are independent: each gets the gradient of its own loss
+    optimiser.step()
+    return loss.detach(), accuracy
+
+
 class EarlyStopping:
     """The rule of the authors' `execute_cora.py`, vectorised over replicas.
 
@@ -206,11 +222,7 @@ def train(graph: GraphTensors, config: ModelConfig, optim: OptimConfig, seeds: S
 
     train_view, val_view = (NodeView.of(graph, nodes, model.n_layers) for nodes in (graph.train_idx, graph.val_idx))
     for epoch in range(1, optim.max_epochs + 1):
-        model.train()
-        optimiser.zero_grad(set_to_none=True)
-        train_loss, train_acc = train_view.loss_and_accuracy(model, noise)
-        train_loss.sum().backward()  # replicas are independent: each gets the gradient of its own loss
-        optimiser.step()
+        train_loss, train_acc = train_step(model, optimiser, train_view, noise)
 
         model.eval()
         with torch.no_grad():
@@ -219,8 +231,8 @@ def train(graph: GraphTensors, config: ModelConfig, optim: OptimConfig, seeds: S
             for name, parameter in model.named_parameters():
                 checkpoint[name][active[save]] = parameter[save]
         if on_epoch is not None:
-            on_epoch(EpochMetrics(epoch, tuple(seeds[int(r)] for r in active), train_loss.detach(),
-                                  train_acc, val_loss, val_acc))
+            on_epoch(EpochMetrics(epoch, tuple(seeds[int(r)] for r in active), train_loss, train_acc,
+                                  val_loss, val_acc))
         if stop.any():
             epochs[active[stop].cpu()] = epoch
             keep = torch.nonzero(~stop).flatten()

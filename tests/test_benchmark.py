@@ -15,6 +15,7 @@ import torch
 from benchmarks import engine as bench
 from conftest import SYNTHETIC_LAYOUTS, write_synthetic_planetoid
 from gat.data import Graph
+from stages._common import StageError, write_json
 
 DENSE_NODES = 150  # enough for the synthetic graph's 140 training nodes and a few validation ones
 
@@ -32,12 +33,12 @@ def graph(folder: Path) -> Graph:
 
 
 def test_missing_data_folder_says_to_pass_data_dir(tmp_path: Path) -> None:
-    with pytest.raises(bench.BenchmarkError, match="--data-dir"):
+    with pytest.raises(StageError, match="--data-dir"):
         bench.load_graph(tmp_path / "nowhere")
 
 
 def test_synthetic_files_fail_the_checksum_check(folder: Path) -> None:
-    with pytest.raises(bench.BenchmarkError, match="SHA-256"):
+    with pytest.raises(StageError, match="SHA-256"):
         bench.read_raw(folder, verify=True)
 
 
@@ -46,6 +47,48 @@ def test_main_exits_with_a_clear_message_without_data(tmp_path: Path, capsys: py
         bench.main(["--data-dir", str(tmp_path), "--out", str(tmp_path / "b.json")])
     assert exit_info.value.code == 2
     assert "--data-dir" in capsys.readouterr().err
+
+
+# Where `make bench` (no --data-dir) finds Cora: the shared copy, else what `make repro` downloaded.
+
+@pytest.fixture
+def default_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """(shared, downloaded): the two default folders, moved to where a test can make or remove them."""
+    shared, downloaded = tmp_path / "shared" / "datasets" / "planetoid", tmp_path / "data" / "raw" / "cora"
+    monkeypatch.setattr(bench, "SHARED_DATA_DIR", shared)
+    monkeypatch.setattr(bench, "DOWNLOADED_DATA_DIR", downloaded)
+    return shared, downloaded
+
+
+def test_default_data_dir_is_the_shared_copy_else_the_download(default_folders: tuple[Path, Path]) -> None:
+    shared, downloaded = default_folders
+    downloaded.mkdir(parents=True)
+    assert bench.default_data_dir() == downloaded
+    shared.mkdir(parents=True)
+    assert bench.default_data_dir() == shared
+
+
+def test_without_either_folder_main_says_in_one_line_to_run_make_repro_or_pass_data_dir(
+        default_folders: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--out", str(tmp_path / "b.json")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("error: ")
+    assert "make repro" in error and "--data-dir" in error
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_the_downloaded_folder_is_verified_against_the_pinned_checksums(
+        default_folders: tuple[Path, Path], folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _, downloaded = default_folders
+    downloaded.parent.mkdir(parents=True)
+    downloaded.symlink_to(folder)  # synthetic files: they must be refused, before anything is timed
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--out", str(tmp_path / "b.json")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "SHA-256" in error and str(downloaded) in error
 
 
 @pytest.mark.parametrize("build, replicas", [
@@ -121,7 +164,7 @@ def report(graph: Graph, tmp_path_factory: pytest.TempPathFactory) -> dict:
     reference = bench.add_ratios(entries, listed)
     built = bench.build_report(entries, reference, bench.machine(), graph, baseline_mb=0.5)
     path = tmp_path_factory.mktemp("report") / "benchmark.json"
-    bench.write_report(path, built)
+    write_json(path, built)
     return json.loads(path.read_text())
 
 

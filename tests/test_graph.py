@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 
 from gat.config import ModelConfig
@@ -18,7 +21,7 @@ def random_graph(num_nodes: int = 60, num_edges: int = 150, seed: int = 0) -> Ne
 def random_features(num_nodes: int = 60, num_features: int = 30, seed: int = 1) -> SparseFeatures:
     generator = torch.Generator().manual_seed(seed)
     x = torch.rand(num_nodes, num_features, generator=generator)
-    return SparseFeatures.from_csr((x * (x < 0.2)).to_sparse_csr())
+    return SparseFeatures.from_csr(x * (x < 0.2))
 
 
 def test_self_loops_added_once_duplicates_dropped_sorted_by_target() -> None:
@@ -55,3 +58,41 @@ def test_model_on_a_receptive_field_equals_the_whole_graph_rows() -> None:
             whole = model(x, graph)[torch.unique(nodes)]
             part = model(x.rows(inputs), blocks)
         torch.testing.assert_close(part, whole, rtol=1e-5, atol=1e-6)
+
+
+class Plan:
+    """Something derived from a structure (the layers memoise their index plans); weakref-able."""
+
+
+def test_memoised_builds_once_per_key_for_the_lifetime_of_the_structure() -> None:
+    graph, x = random_graph(), random_features()
+    built: list[Plan] = []
+
+    def build() -> Plan:
+        built.append(Plan())
+        return built[-1]
+
+    for structure in (graph, x):
+        plan = structure.memoised(("plan", 3), build)
+        assert structure.memoised(("plan", 3), build) is plan and len(built) == 1
+        assert structure.memoised(("plan", 4), build) is not plan and len(built) == 2
+        # A moved copy is another object, with its own (empty) memo; the memo is no part of the repr.
+        assert structure.to("cpu").memoised(("plan", 3), build) is not plan and len(built) == 3
+        assert "_memo" not in repr(structure)
+        built.clear()
+    del structure, plan
+
+    references = [weakref.ref(plan) for plan in (graph.memoised("a", Plan), x.memoised("b", Plan))]
+    del graph, x
+    gc.collect()
+    assert all(reference() is None for reference in references)
+
+
+def test_the_memo_is_no_part_of_equality() -> None:
+    edge_index = torch.tensor([[0, 1], [1, 2]])
+    first, second = Neighbourhoods.from_edge_index(edge_index, 3), Neighbourhoods.from_edge_index(edge_index, 3)
+    first.memoised("plan", Plan)
+    # Dataclass equality compares the tensors (elementwise, ambiguous); the memo must not even enter it.
+    assert [f.name for f in first.__dataclass_fields__.values() if f.compare] == [
+        "source", "target", "num_targets", "num_sources", "target_in_source"]
+    assert second._memo == {}

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import copy
+import gc
+import subprocess
+import sys
+import textwrap
+import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from dense_reference import GraphAttentionLayer as DenseLayer
-from dense_reference import adjacency, copy_into, dense_attention
+from benchmarks.dense_reference import GraphAttentionLayer as DenseLayer
+from benchmarks.dense_reference import adjacency, copy_into, dense_attention
 from gat.dropout import ReplicaDropout
 from gat.graph import Neighbourhoods, SparseFeatures, receptive_field
 from gat.layers import GraphAttentionLayer, segment_softmax
@@ -51,11 +57,16 @@ def as_input(x: torch.Tensor, sparse: bool) -> torch.Tensor | SparseFeatures:
     return SparseFeatures.from_csr(x) if sparse else x.unsqueeze(1)
 
 
+# The two layouts: training mode block-major, eval mode node-major (GraphAttentionLayer's docstring).
+MODES = pytest.mark.parametrize("mode", ["train", "eval"])
+
+
 # The tutorial's dense layer ---------------------------------------------------------------------
 
+@MODES
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-input", "sparse-input"])
 @pytest.mark.parametrize("is_concat,heads", [(True, 1), (True, 3), (False, 1), (False, 4)])
-def test_matches_the_dense_tutorial_layer(is_concat: bool, heads: int, sparse: bool) -> None:
+def test_matches_the_dense_tutorial_layer(is_concat: bool, heads: int, sparse: bool, mode: str) -> None:
     for seed in range(3):
         n, f_in, f_out = 17 + seed, 11, 5
         neighbourhoods = random_graph(n, 40, seed)
@@ -66,7 +77,7 @@ def test_matches_the_dense_tutorial_layer(is_concat: bool, heads: int, sparse: b
         with torch.no_grad():  # a larger attention vector than the default init, so α is far from uniform
             reference.attn.weight.mul_(8)
         layer = GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads, is_concat=is_concat,
-                                    dropout=0.6, leaky_relu_negative_slope=0.2)
+                                    dropout=0.6, leaky_relu_negative_slope=0.2).train(mode == "train")
         copy_into(reference, layer)
 
         expected = reference(x, adjacency(neighbourhoods))
@@ -90,13 +101,14 @@ def test_isolated_nodes_attend_to_themselves_only() -> None:
 
 # Replicas ---------------------------------------------------------------------------------------
 
+@MODES
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-input", "sparse-input"])
 @pytest.mark.parametrize("is_concat", [True, False], ids=["concat", "mean"])
-def test_replica_equals_a_one_replica_layer_with_its_parameters(is_concat: bool, sparse: bool) -> None:
+def test_replica_equals_a_one_replica_layer_with_its_parameters(is_concat: bool, sparse: bool, mode: str) -> None:
     n, f_in, heads, f_out, replicas = 15, 7, 2, 3, 3
     neighbourhoods = random_graph(n, 35, seed=5)
     batch = randomise(GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads, is_concat=is_concat,
-                                          n_replicas=replicas), seed=5)
+                                          n_replicas=replicas), seed=5).train(mode == "train")
     if sparse:
         x = SparseFeatures.from_csr(random_features(n, f_in, seed=5))
         inputs = [x] * replicas
@@ -107,18 +119,18 @@ def test_replica_equals_a_one_replica_layer_with_its_parameters(is_concat: bool,
         out = batch(x, neighbourhoods)
     assert out.shape == (n, replicas, heads * f_out if is_concat else f_out)
     for r in range(replicas):
-        single = GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads, is_concat=is_concat)
+        single = GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads,
+                                     is_concat=is_concat).train(mode == "train")
         single.load_state_dict({name: p[r:r + 1] for name, p in batch.state_dict().items()})
         with torch.no_grad():
             assert torch.equal(out[:, r:r + 1], single(inputs[r], neighbourhoods)), r
     assert not torch.allclose(out[:, 0], out[:, 1])  # the replicas' parameters do differ
 
 
-
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-input", "sparse-input"])
 @pytest.mark.parametrize("is_concat,heads", [(True, 3), (False, 2)])
 def test_inference_layout_equals_the_training_layout(is_concat: bool, heads: int, sparse: bool) -> None:
-    """Without autograd the layer runs node-major, with autograd block-major: the same function either way."""
+    """In eval mode the layer runs node-major, in training mode block-major: the same function either way."""
     n, f_in, f_out, replicas = 31, 10, 5, 3
     neighbourhoods = random_graph(n, 90, seed=8)
     layer = randomise(GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads, is_concat=is_concat,
@@ -131,23 +143,55 @@ def test_inference_layout_equals_the_training_layout(is_concat: bool, heads: int
     inputs, (block,) = receptive_field(neighbourhoods, torch.tensor([17, 0, 3]), 1)
     for h, graph in ((x, neighbourhoods), (x.rows(inputs) if sparse else x[inputs], block)):
         with torch.no_grad():
-            inferred = layer(h, graph)
-        trained = layer(h, graph)
-        assert trained.requires_grad and not inferred.requires_grad
+            inferred = layer.eval()(h, graph)
+            trained = layer.train()(h, graph)
         assert inferred.shape == (graph.num_targets, replicas, heads * f_out if is_concat else f_out)
-        torch.testing.assert_close(inferred, trained.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(inferred, trained, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-input", "sparse-input"])
+def test_the_mode_not_autograd_picks_the_layout(sparse: bool) -> None:
+    """In either mode, the same bits with autograd on or off: eval mode under gradients still runs node-major,
+    and training mode under no_grad (no noise: no dropout) still runs block-major."""
+    n, f_in, replicas = 31, 10, 3
+    neighbourhoods = random_graph(n, 90, seed=9)
+    layer = randomise(GraphAttentionLayer(f_in, 6, 3, n_replicas=replicas, activation=torch.nn.functional.elu), seed=9)
+    if sparse:
+        x = SparseFeatures.from_csr(random_features(n, f_in, seed=9))
+    else:
+        x = torch.randn(n, replicas, f_in, generator=torch.Generator().manual_seed(9))
+    outputs = {}
+    for mode in ("train", "eval"):
+        layer.train(mode == "train")
+        with torch.no_grad():
+            outputs[mode] = layer(x, neighbourhoods)
+        with_grad = layer(x, neighbourhoods)
+        assert with_grad.requires_grad, mode
+        assert torch.equal(with_grad.detach(), outputs[mode]), mode
+    # The two layouts round differently: the equalities above could tell one from the other.
+    assert not torch.equal(outputs["train"], outputs["eval"])
+
+
+def test_eval_mode_refuses_dropout_noise() -> None:
+    layer = GraphAttentionLayer(4, 4, 2).eval()
+    with pytest.raises(ValueError, match="eval mode"):
+        layer(torch.randn(6, 1, 4), random_graph(6, 10, seed=0), ReplicaDropout([0], 0.5))
 
 
 # Gradients --------------------------------------------------------------------------------------
 
+@MODES
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-input", "sparse-input"])
 @pytest.mark.parametrize("is_concat,heads", [(True, 3), (False, 2)])
-def test_gradients_match_autograd_through_the_dense_formulation(is_concat: bool, heads: int, sparse: bool) -> None:
+def test_gradients_match_autograd_through_the_dense_formulation(is_concat: bool, heads: int, sparse: bool,
+                                                                mode: str) -> None:
+    """Both layouts are differentiable: eval mode too, for gradients without dropout (of the inputs, say)."""
     n, f_in, f_out = 13, 9, 4
     neighbourhoods = random_graph(n, 30, seed=6)
     x = random_features(n, f_in, seed=6, dtype=torch.float64)
     layer = randomise(GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads,
                                           is_concat=is_concat, leaky_relu_negative_slope=0.2).double(), seed=6)
+    layer.train(mode == "train")
     assert layer.b_target.abs().min() > 0 and layer.b_source.abs().min() > 0
     weights = torch.randn(n, heads * f_out if is_concat else f_out, dtype=torch.float64,
                           generator=torch.Generator().manual_seed(7))
@@ -166,11 +210,12 @@ def test_gradients_match_autograd_through_the_dense_formulation(is_concat: bool,
         torch.testing.assert_close(gradient, leaves[name].grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
-def test_gradcheck_the_whole_layer_on_sparse_input() -> None:
+@MODES
+def test_gradcheck_the_whole_layer_on_sparse_input(mode: str) -> None:
     n, f_in = 7, 5
     neighbourhoods = random_graph(n, 14, seed=8, isolated=1)
     x = SparseFeatures.from_csr(random_features(n, f_in, seed=8, dtype=torch.float64))
-    layer = randomise(GraphAttentionLayer(f_in, 4, 2, n_replicas=2).double(), seed=8)
+    layer = randomise(GraphAttentionLayer(f_in, 4, 2, n_replicas=2).double(), seed=8).train(mode == "train")
     names = [name for name, _ in layer.named_parameters()]
 
     def run(*parameters: torch.Tensor) -> torch.Tensor:
@@ -198,6 +243,110 @@ def test_gradcheck_block_sparse_matmul() -> None:
     assert torch.autograd.gradcheck(lambda v, d: _BlockSparseMatmul.apply(v, d, plan), (values, dense))
     # Input features are data: without requires_grad on the values, only the dense side gets a gradient.
     assert torch.autograd.gradcheck(lambda d: _BlockSparseMatmul.apply(values.detach(), d, plan), (dense,))
+
+
+# Index plans ------------------------------------------------------------------------------------
+
+@MODES
+def test_a_plan_is_never_handed_to_another_structure(mode: str) -> None:
+    """Two graphs whose row pointers share one storage, as a freed tensor's reused address would: a cache
+    keyed by the address would hand the second graph the first one's plan, and compute on the wrong edges."""
+    n, replicas = 20, 2
+    first = random_graph(n, 60, seed=16)
+    second = Neighbourhoods((first.source + 1) % n, first.target, n, n)  # the same degrees, other neighbours
+    second.__dict__["crow"] = first.crow  # where cached_property keeps it: one storage, one data_ptr
+    layer = randomise(GraphAttentionLayer(6, 4, 2, n_replicas=replicas), seed=16).train(mode == "train")
+    x = torch.randn(n, replicas, 6, generator=torch.Generator().manual_seed(16))
+    with torch.no_grad():
+        expected = copy.deepcopy(layer)(x, Neighbourhoods(second.source, second.target, n, n))
+        layer(x, first)
+        assert torch.equal(layer(x, second), expected)
+
+
+@MODES
+def test_plans_live_on_the_structures_they_index_and_die_with_them(mode: str) -> None:
+    n, replicas = 20, 2
+    neighbourhoods = random_graph(n, 60, seed=17)
+    x = SparseFeatures.from_csr(random_features(n, 6, seed=17))
+    layer = randomise(GraphAttentionLayer(6, 4, 2, n_replicas=replicas), seed=17).train(mode == "train")
+    layer(x, neighbourhoods).sum().backward()
+    # Training mode: a block plan of x and one of the neighbourhoods; eval mode: the neighbourhoods' inference plan.
+    plans = [*x._memo.values(), *neighbourhoods._memo.values()]
+    assert len(plans) == (2 if mode == "train" else 1)
+    assert len(x._memo) == (mode == "train") and len(neighbourhoods._memo) == 1
+    layer(x, neighbourhoods)
+    again = [*x._memo.values(), *neighbourhoods._memo.values()]
+    assert len(again) == len(plans) and all(a is b for a, b in zip(again, plans))  # built once, found again
+    assert "_memo" not in repr(neighbourhoods) and not neighbourhoods.to("cpu")._memo
+
+    references = [weakref.ref(plan) for plan in plans]
+    del plans, again, x, neighbourhoods
+    gc.collect()
+    assert all(reference() is None for reference in references)  # nothing else, the layer least of all, kept them
+
+
+# Torch's CSR warning ---------------------------------------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Torch warns once per process, at the first CSR tensor made: each case runs in a fresh interpreter.
+WARNING_CASES = {
+    "training-step": """
+        import torch
+        from gat.config import ModelConfig
+        from gat.dropout import ReplicaDropout
+        from gat.graph import Neighbourhoods, SparseFeatures
+        from gat.model import GAT
+        from gat.training import GraphTensors, NodeView, train_step
+
+        n, f_in = 30, 8
+        generator = torch.Generator().manual_seed(0)
+        x = (torch.rand(n, f_in, generator=generator) < 0.3).float()
+        row, col = x.nonzero().t()  # the features' CSR made by hand: the step makes the first CSR tensor
+        crow = torch.cat([row.new_zeros(1), torch.bincount(row, minlength=n).cumsum(0)])
+        edge_index = torch.randint(0, n, (2, 60), generator=generator)
+        labels = torch.randint(0, 3, (n,), generator=generator)
+        features = SparseFeatures(crow, col, x[row, col], f_in)
+        graph = GraphTensors(features, Neighbourhoods.from_edge_index(edge_index, n), labels,
+                             torch.arange(10), torch.arange(10, 20), torch.arange(20, n), 3)
+        model = GAT(ModelConfig(4, 2, 1, 0.5, 0.2), f_in, 3, seeds=[0])
+        optimiser = torch.optim.Adam(model.parameters())
+        train_step(model, optimiser, NodeView.of(graph, graph.train_idx, 2), ReplicaDropout([0], 0.5))
+    """,
+    "sparse-features": """
+        import torch
+        from gat.graph import SparseFeatures
+
+        SparseFeatures.from_csr(torch.eye(4)).to_dense()
+    """,
+    "control": """
+        import torch
+
+        torch.eye(4).to_sparse_csr()  # outside gat: the warning is there to be caught
+    """,
+}
+
+
+@pytest.mark.parametrize("case", WARNING_CASES)
+def test_the_csr_beta_warning_is_silenced_where_gat_makes_csr_tensors_and_nowhere_else(case: str) -> None:
+    script = textwrap.dedent("""
+        import warnings
+
+        import torch  # which installs filters of its own
+
+        before = list(warnings.filters)
+        import gat.layers, gat.training
+
+        assert warnings.filters == before, "importing gat changed the global warning filters"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+    """) + textwrap.indent(textwrap.dedent(WARNING_CASES[case]), " " * 4) + textwrap.dedent("""
+        assert warnings.filters == before, "gat left a warning filter behind"
+        print(sum("Sparse CSR tensor support is in beta" in str(warning.message) for warning in caught))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) == (1 if case == "control" else 0)
 
 
 # PyTorch Geometric -------------------------------------------------------------------------------
@@ -234,7 +383,7 @@ def test_matches_pyg_gatconv(cora_sized, is_concat: bool, heads: int, f_out: int
         conv.att_dst.normal_()
         conv.bias.normal_()
     layer = GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads, is_concat=is_concat,
-                                leaky_relu_negative_slope=0.2)
+                                leaky_relu_negative_slope=0.2).eval()
     with torch.no_grad():
         layer.W[0] = conv.lin.weight.view(heads, f_out, f_in).transpose(1, 2)
         layer.a_source[0] = conv.att_src[0]

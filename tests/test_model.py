@@ -47,6 +47,19 @@ def test_the_receptive_field_gives_the_same_logits_as_the_whole_graph(graph) -> 
     torch.testing.assert_close(part, whole[nodes.unique()], rtol=1e-5, atol=1e-6)
 
 
+def test_eval_mode_gives_the_same_logits_with_autograd_on_or_off(graph) -> None:
+    """The module's mode picks the layer layout, not torch.no_grad: eval-mode gradients (no dropout) are
+    taken through the very pass that `predict` makes."""
+    x, neighbourhoods = graph
+    model = GAT(CONFIG, F_IN, C, seeds=[1, 2]).eval()
+    with torch.no_grad():
+        expected = model(x, neighbourhoods)
+    logits = model(x, neighbourhoods)
+    assert torch.equal(logits.detach(), expected)
+    logits.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_a_replica_is_initialised_from_its_seed_alone() -> None:
     batch = GAT(CONFIG, F_IN, C, seeds=[11, 22, 33])
     for r, seed in enumerate([11, 22, 33]):

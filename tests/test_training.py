@@ -7,8 +7,11 @@ import torch
 
 from gat.config import ModelConfig, OptimConfig
 from gat.data import Graph
-from gat.training import (EarlyStopping, EpochMetrics, GraphTensors, TrainResult, loss_and_accuracy, predict,
-                          resolve_device, train)
+from gat.dropout import ReplicaDropout
+from gat.graph import csr_beta_warning_silenced
+from gat.model import GAT
+from gat.training import (EarlyStopping, EpochMetrics, GraphTensors, NodeView, TrainResult, loss_and_accuracy,
+                          predict, resolve_device, train, train_step)
 
 CONFIG = ModelConfig(hidden_features=4, heads=2, output_heads=1, dropout=0.6, leaky_relu_negative_slope=0.2)
 OPTIM = OptimConfig(lr=0.2, weight_decay=5e-4, max_epochs=30, patience=5)  # a high lr: replicas stop early, apart
@@ -29,7 +32,9 @@ def synthetic_graph(num_nodes: int = 120, num_features: int = 30, num_classes: i
     edge_index = torch.stack([torch.cat([source, target]), torch.cat([target, source])])
     edge_index = edge_index[:, edge_index[0] != edge_index[1]].unique(dim=1)
     order = torch.randperm(num_nodes, generator=generator)
-    return Graph(x.to_sparse_csr(), edge_index, labels, order[:30].sort().values, order[30:70].sort().values,
+    with csr_beta_warning_silenced():  # CSR features, as gat.data makes them
+        features = x.to_sparse_csr()
+    return Graph(features, edge_index, labels, order[:30].sort().values, order[30:70].sort().values,
                  order[70:].sort().values, num_classes)
 
 
@@ -108,6 +113,24 @@ def test_early_stopping_keeps_replicas_apart() -> None:
 
 
 # train ------------------------------------------------------------------------------------------
+
+def test_train_step_is_an_epoch_of_train(graph) -> None:
+    """The benchmark times `train_step` as the step of `train`: one epoch of `train` is one call of it."""
+    seeds = [3, 7]
+    metrics: list[EpochMetrics] = []
+    one_epoch = OptimConfig(OPTIM.lr, OPTIM.weight_decay, max_epochs=1, patience=OPTIM.patience)
+    trained = train(graph, CONFIG, one_epoch, seeds, on_epoch=metrics.append)
+
+    model = GAT(CONFIG, graph.x.num_features, graph.num_classes, seeds).eval()
+    optimiser = torch.optim.Adam(model.parameters(), lr=OPTIM.lr, weight_decay=OPTIM.weight_decay)
+    view = NodeView.of(graph, graph.train_idx, model.n_layers)
+    loss, accuracy = train_step(model, optimiser, view, ReplicaDropout(seeds, CONFIG.dropout))
+    assert model.training and not loss.requires_grad
+    assert torch.equal(loss, metrics[0].train_loss) and torch.equal(accuracy, metrics[0].train_acc)
+    # The first epoch always saves its checkpoint: the restored model is the stepped one.
+    for (name, p), (_, q) in zip(model.named_parameters(), trained.model.named_parameters()):
+        assert torch.equal(p, q), name
+
 
 def test_training_is_deterministic(graph) -> None:
     first = train(graph, CONFIG, OPTIM, seeds=[3, 7])

@@ -5,7 +5,10 @@ Implementations" (`labml_nn/graphs/gat`, MIT licence, © Varuna Jayasiri), repro
 its constructor and its forward pass: one shared `attn` projection scores every pair
 [g_i || g_j] of a dense [N, N, heads, 2F'] tensor built with `repeat` / `repeat_interleave`,
 the scores of non-edges are masked to -inf, and the softmax runs over the neighbours j.
-It costs O(N²·H) memory, so the tests use it on small graphs only.
+It costs O(N²·H) memory: the tests use it on small graphs, and `benchmarks.engine` times it
+as the dense baseline (on a subgraph of Cora when the whole graph would not fit in memory).
+It lives here, beside the benchmark, so that the benchmark and the tests import it alike;
+nothing imports from tests/.
 
 `dense_attention` is the same formulation written as a function of explicit per-head
 parameters, including what the tutorial leaves out and the authors' code has: the biases
