@@ -32,8 +32,27 @@ PARTS = ("x", "y", "tx", "ty", "allx", "ally", "graph", "test.index")
 # The standard Planetoid validation set: the 500 nodes right after the training nodes.
 NUM_VAL = 500
 
+# At most this share of the test block may be ids missing from test.index (padded as
+# unlabelled, featureless nodes, as Kipf's loader does). Citeseer's real files miss 15 of
+# 1,015 ids (1.5 %), Cora's none; a tenth leaves room for that and still refuses a stray
+# id far beyond the graph, which would otherwise add thousands of phantom nodes.
+MAX_PADDED_TEST_FRACTION = 0.1
+
 # numpy moved `_reconstruct` from numpy.core to numpy._core; take it from where ndarray pickles to.
 _RECONSTRUCT = np.empty(0).__reduce__()[0]
+
+
+def _latin1_bytes(text: Any, encoding: Any = "utf-8", *more: Any) -> bytes:
+    """The one use of `_codecs.encode` in Planetoid pickles: a byte string, latin1-encoded.
+
+    Python 3 writes bytes at pickle protocol 2 as `_codecs.encode(str, "latin1")`, so the
+    genuine arrays re-pickled under Python 3 contain that call; any other use is refused.
+    """
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1") or more:
+        raise pickle.UnpicklingError(f"refusing _codecs.encode({type(text).__name__}, {encoding!r}): "
+                                     "a Planetoid file only encodes byte strings as latin1")
+    return text.encode("latin1")
+
 
 # (module, name) as written in the pickles -> the object. The originals are Python 2
 # pickles (`__builtin__`, `numpy.core`, `scipy.sparse.csr`); files pickled by current
@@ -48,6 +67,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("collections", "defaultdict"): collections.defaultdict,
     ("__builtin__", "list"): list,
     ("builtins", "list"): list,
+    ("_codecs", "encode"): _latin1_bytes,
 }
 
 
@@ -70,8 +90,14 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 def _unpickle(data: bytes, name: str, expected: type) -> Any:
-    # latin1 decodes the Python 2 byte strings inside numpy arrays unchanged.
-    value = _RestrictedUnpickler(io.BytesIO(data), encoding="latin1").load()
+    """Unpickle one file; every way it can fail is an UnpicklingError or ValueError naming `name`."""
+    try:
+        # latin1 decodes the Python 2 byte strings inside numpy arrays unchanged.
+        value = _RestrictedUnpickler(io.BytesIO(data), encoding="latin1").load()
+    except pickle.UnpicklingError as error:
+        raise pickle.UnpicklingError(f"{name}: {error}") from None
+    except Exception as error:  # bad bytes fail in many ways: EOFError, KeyError, TypeError, MemoryError, ...
+        raise pickle.UnpicklingError(f"{name}: not a readable pickle ({type(error).__name__}: {error})") from None
     if not isinstance(value, expected):
         raise ValueError(f"{name}: expected a pickled {expected.__name__}, found {type(value).__name__}")
     return value
@@ -126,20 +152,95 @@ class Graph:
         return dataclasses.replace(self, train_idx=split.train_idx, val_idx=split.val_idx, test_idx=split.test_idx)
 
 
+def _check_features(matrix: sparse.csr_matrix, name: str) -> None:
+    """A well-formed CSR matrix of finite numbers: one NaN would turn every output of the model into NaN."""
+    try:
+        # Unpickling restores the arrays as they are; this checks indptr/indices against the shape.
+        matrix.check_format(full_check=True)
+    except (AttributeError, TypeError, ValueError) as error:
+        raise ValueError(f"{name}: not a well-formed CSR matrix ({error})") from None
+    if matrix.dtype.kind not in "biuf":
+        raise ValueError(f"{name}: feature values must be numbers, found dtype {matrix.dtype}")
+    bad = np.flatnonzero(~np.isfinite(matrix.data))
+    if bad.size:
+        row = int(np.searchsorted(matrix.indptr, bad[0], side="right")) - 1
+        raise ValueError(f"{name}: {bad.size} NaN or infinite feature value(s), the first in row {row}")
+
+
+def _check_one_hot(labels: np.ndarray, name: str) -> None:
+    """A 2-D array of 0/1 rows, each with at most one 1 (an all-zero row is a node without a label)."""
+    if labels.ndim != 2 or labels.dtype.kind not in "biuf":
+        raise ValueError(f"{name}: expected a 2-D array of one-hot labels, "
+                         f"found a {labels.ndim}-D {labels.dtype} array")
+    if not np.isin(labels, (0, 1)).all():
+        raise ValueError(f"{name}: holds values other than 0 and 1 (or NaN); each label row is one-hot")
+    multiple = np.flatnonzero(labels.sum(axis=1) > 1)
+    if multiple.size:
+        raise ValueError(f"{name}: row {multiple[0]} has more than one 1; a one-hot label has exactly one")
+
+
+def _check_same_columns(columns: Mapping[str, int], what: str) -> None:
+    """`columns`: file name -> its number of columns; the first file sets the expected number."""
+    (reference, expected), *others = columns.items()
+    for name, count in others:
+        if count != expected:
+            raise ValueError(f"{name}: {count} {what} columns, but {reference} has {expected}")
+
+
+def _require_labels(labels: np.ndarray, name: str, num_rows: int, part: str) -> None:
+    """The first `num_rows` rows are nodes of the standard split's `part`: each needs its class.
+
+    Shapes: labels: [N_rows, C] one-hot
+    """
+    unlabelled = np.flatnonzero(~labels[:num_rows].any(axis=1))
+    if unlabelled.size:
+        raise ValueError(f"{name}: row {unlabelled[0]} is all zero ({unlabelled.size} of the first {num_rows} rows "
+                         f"are), but every {part} node of the standard split needs exactly one class")
+
+
+def _parse_test_index(data: bytes, name: str, first_id: int) -> np.ndarray:
+    """The test node ids, one per line: distinct, the lowest `first_id`, and few missing in their range.
+
+    `first_id` is the number of allx rows: the test block follows them. Shapes: -> [N_test] int64
+    """
+    tokens = data.split()
+    if not tokens:
+        raise ValueError(f"{name}: holds no test node ids")
+    # 18 digits stay far below int64's limit, and far above any real node id.
+    not_ids = [token for token in tokens if not (token.isdigit() and len(token) <= 18)]
+    if not_ids:
+        raise ValueError(f"{name}: {not_ids[0][:30].decode('ascii', 'replace')!r} is not a node id; "
+                         "the file holds one non-negative integer per line")
+    ids = np.array([int(token) for token in tokens], dtype=np.int64)
+    distinct, counts = np.unique(ids, return_counts=True)
+    if distinct.size != ids.size:
+        repeated = np.flatnonzero(counts > 1)[0]
+        raise ValueError(f"{name}: node {distinct[repeated]} is listed {counts[repeated]} times; "
+                         "each test node appears once")
+    low, high = int(distinct[0]), int(distinct[-1])
+    if low != first_id:
+        raise ValueError(f"{name}: the test ids start at node {low}, but allx/ally hold {first_id} rows; "
+                         "the test nodes must follow them")
+    padding = (high - low + 1) - ids.size
+    if padding > MAX_PADDED_TEST_FRACTION * ids.size:
+        raise ValueError(f"{name}: the test ids run up to node {high}, so {padding} of the {high - low + 1} ids from "
+                         f"{low} on would be padded, unlabelled nodes; at most {MAX_PADDED_TEST_FRACTION:.0%} of "
+                         f"the {ids.size} test rows may be missing (Citeseer misses 15)")
+    return ids
+
+
 def _place_test_rows(all_rows: Any, test_rows: Any, test_index: np.ndarray) -> Any:
     """Stack `all_rows` and `test_rows` so that test row k lands on node `test_index[k]`.
 
     Exactly Kipf's loader: pad the test block with zero rows for ids missing from
     `test.index` (Citeseer), stack, then move the rows into test.index order. The
     padding is a 0/1 placement matrix product, which works for sparse and dense rows alike.
+    `test_index` is as `_parse_test_index` returns it: distinct ids from N_all on.
 
     Shapes: all_rows: [N_all, D], test_rows: [N_test, D], test_index: [N_test] -> [N, D]
     """
     ordered = np.sort(test_index)
     low, high = int(ordered[0]), int(ordered[-1])
-    if low != all_rows.shape[0]:
-        raise ValueError(f"test.index starts at node {low}, but allx/ally hold {all_rows.shape[0]} rows; "
-                         "the test nodes must follow them")
     span = high - low + 1
     num_test = len(test_index)
     placement = sparse.csr_matrix((np.ones(num_test), (ordered - low, np.arange(num_test))), shape=(span, num_test))
@@ -159,13 +260,21 @@ def _normalise_rows(features: sparse.csr_matrix) -> sparse.csr_matrix:
     return normalised
 
 
-def _edge_index(adjacency_lists: Mapping[int, list[int]], num_nodes: int) -> Tensor:
-    """Symmetrise, drop self-loops and duplicates (both occur in the raw lists), sort by target."""
-    sources = np.repeat(np.fromiter(adjacency_lists.keys(), dtype=np.int64),
-                        [len(neighbours) for neighbours in adjacency_lists.values()])
-    targets = np.fromiter(chain.from_iterable(adjacency_lists.values()), dtype=np.int64)
+def _adjacency_arrays(adjacency_lists: Mapping[Any, Any], name: str, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sources, targets) of every listed edge, each id checked to be a node. Shapes: -> [E_raw], [E_raw]"""
+    try:
+        degrees = [len(neighbours) for neighbours in adjacency_lists.values()]
+        sources = np.repeat(np.fromiter(adjacency_lists.keys(), dtype=np.int64, count=len(adjacency_lists)), degrees)
+        targets = np.fromiter(chain.from_iterable(adjacency_lists.values()), dtype=np.int64, count=sum(degrees))
+    except (TypeError, ValueError, OverflowError) as error:
+        raise ValueError(f"{name}: expected a mapping of node ids to lists of node ids ({error})") from None
     if len(targets) and (min(sources.min(), targets.min()) < 0 or max(sources.max(), targets.max()) >= num_nodes):
-        raise ValueError(f"graph: a node id is outside [0, {num_nodes})")
+        raise ValueError(f"{name}: a node id is outside [0, {num_nodes})")
+    return sources, targets
+
+
+def _edge_index(sources: np.ndarray, targets: np.ndarray, num_nodes: int) -> Tensor:
+    """Symmetrise, drop self-loops and duplicates (both occur in the raw lists), sort by target."""
     keep = sources != targets
     # Row = target, column = source: CSR order is then target-major, source-minor.
     adjacency = sparse.coo_matrix((np.ones(keep.sum()), (targets[keep], sources[keep])), shape=(num_nodes, num_nodes))
@@ -197,36 +306,48 @@ def parse_planetoid(raw: Mapping[str, bytes], dataset: str) -> Graph:
 
     The split: train = the first len(y) nodes, val = the next 500, test = the
     test.index nodes. Nodes padded in for missing test ids are in no split.
+
+    Raises ValueError or pickle.UnpicklingError, its message led by the file's name, for
+    bytes that are not well-formed Planetoid data.
     """
     names = dict(zip(PARTS, file_names(dataset)))
     missing = [name for name in names.values() if name not in raw]
     if missing:
         raise ValueError(f"missing raw files: {', '.join(missing)}")
-    x = _unpickle(raw[names["x"]], names["x"], sparse.csr_matrix)
-    y = _unpickle(raw[names["y"]], names["y"], np.ndarray)
-    tx = _unpickle(raw[names["tx"]], names["tx"], sparse.csr_matrix)
-    ty = _unpickle(raw[names["ty"]], names["ty"], np.ndarray)
-    allx = _unpickle(raw[names["allx"]], names["allx"], sparse.csr_matrix)
-    ally = _unpickle(raw[names["ally"]], names["ally"], np.ndarray)
+    x, tx, allx = (_unpickle(raw[names[part]], names[part], sparse.csr_matrix) for part in ("x", "tx", "allx"))
+    y, ty, ally = (_unpickle(raw[names[part]], names[part], np.ndarray) for part in ("y", "ty", "ally"))
     adjacency_lists = _unpickle(raw[names["graph"]], names["graph"], dict)
-    test_index = np.array(raw[names["test.index"]].decode("ascii").split(), dtype=np.int64)
+    for part, matrix in (("x", x), ("tx", tx), ("allx", allx)):
+        _check_features(matrix, names[part])
+    for part, labels in (("y", y), ("ty", ty), ("ally", ally)):
+        _check_one_hot(labels, names[part])
+    _check_same_columns({names[part]: matrix.shape[1] for part, matrix in (("allx", allx), ("x", x), ("tx", tx))},
+                        "feature")
+    _check_same_columns({names[part]: labels.shape[1] for part, labels in (("ally", ally), ("y", y), ("ty", ty))},
+                        "class")
+    test_index = _parse_test_index(raw[names["test.index"]], names["test.index"], first_id=allx.shape[0])
     if not (x.shape[0] == y.shape[0] and tx.shape[0] == ty.shape[0] == len(test_index)
             and allx.shape[0] == ally.shape[0]):
-        raise ValueError(f"{dataset}: row counts disagree: x {x.shape[0]}, y {y.shape[0]}, tx {tx.shape[0]}, "
+        raise ValueError(f"ind.{dataset}.*: row counts disagree: x {x.shape[0]}, y {y.shape[0]}, tx {tx.shape[0]}, "
                          f"ty {ty.shape[0]}, test.index {len(test_index)}, allx {allx.shape[0]}, ally {ally.shape[0]}")
+    num_train = y.shape[0]
+    if num_train + NUM_VAL > allx.shape[0]:
+        raise ValueError(f"{names['allx']}: {num_train} training + {NUM_VAL} validation nodes exceed "
+                         f"its {allx.shape[0]} rows")
+    # Without these, an unlabelled node in a split fails much later, in describe's bincount or the loss.
+    # The real files have no all-zero rows: Citeseer's 15 unlabelled nodes are ids missing from
+    # test.index, padded in below, and in no split.
+    _require_labels(y, names["y"], num_train, "training")
+    _require_labels(ally, names["ally"], num_train + NUM_VAL, "training or validation")
+    _require_labels(ty, names["ty"], len(ty), "test")
 
     features = _normalise_rows(_place_test_rows(allx.astype(np.float32), tx.astype(np.float32), test_index))
     one_hot = _place_test_rows(ally, ty, test_index)
     labels = np.where(one_hot.any(axis=1), one_hot.argmax(axis=1), -1)
     num_nodes = len(labels)
-    num_train = y.shape[0]
-    if num_train + NUM_VAL > allx.shape[0]:
-        raise ValueError(f"{dataset}: {num_train} training + {NUM_VAL} validation nodes exceed "
-                         f"the {allx.shape[0]} rows of allx")
-
     return Graph(
         features=_from_scipy(features),
-        edge_index=_edge_index(adjacency_lists, num_nodes),
+        edge_index=_edge_index(*_adjacency_arrays(adjacency_lists, names["graph"], num_nodes), num_nodes),
         labels=torch.from_numpy(labels.astype(np.int64)),
         train_idx=torch.arange(num_train),
         val_idx=torch.arange(num_train, num_train + NUM_VAL),

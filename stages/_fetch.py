@@ -3,21 +3,27 @@
 The source is `download.base_url`, or `GAT_DATA_MIRROR` when set: an http(s) base URL,
 or a local folder (a path, relative to the repository root, or a file:// URL).
 Transient failures (connection errors, timeouts, truncated bodies, HTTP 5xx) are
-retried with exponential backoff; a 4xx or a checksum mismatch fails at once.
+retried with exponential backoff; a 4xx, a redirect loop, a transfer slower than
+MIN_RATE_BYTES_S or a checksum mismatch fails at once.
+
+A mirror URL may carry credentials (`https://user:password@host/...`): requests sends
+them, but every message, log line and MLflow param shows the URL through `redact`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, NoReturn
 
 import requests
+import urllib3
 from tqdm import tqdm
 
 from stages._common import fail, repo_root
@@ -29,9 +35,50 @@ MIRROR_ENV = "GAT_DATA_MIRROR"
 BACKOFF_S = 0.5
 _CHUNK = 1 << 16
 
+# A file may take download.timeout_s plus one second per this many bytes received; a slower
+# transfer (a server that drips a byte at a time never trips the per-read timeout) fails at
+# once, not retried: it has had its whole allowance, and retries would multiply the wait the
+# deadline exists to bound. 4 KiB/s gives the largest file (Citeseer's allx, 581 KiB) 145 s
+# on top of timeout_s, enough for a poor link.
+MIN_RATE_BYTES_S = 4 * 1024
+
 
 class _Transient(Exception):
     """A failed attempt worth repeating: a 5xx or a body shorter than announced."""
+
+
+def _userinfo(url: str) -> str | None:
+    """The `user:password` (or lone `user`) before the host of `url`; None without one, or for a path."""
+    _scheme, separator, rest = url.partition("://")
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    userinfo, at, _host = authority.rpartition("@")
+    return userinfo if separator and at else None
+
+
+def _redacted_userinfo(userinfo: str) -> str:
+    user, colon, _password = userinfo.partition(":")
+    # A lone user name is usually a token, so it goes too.
+    return f"{user}:***" if colon else "***"
+
+
+def redact(url: str) -> str:
+    """`url` for messages and logs: `http://user:secret@host/x` -> `http://user:***@host/x`.
+
+    A lone user name (`https://token@host/x`) becomes `***`; a URL without userinfo, or a
+    local path, is returned unchanged.
+    """
+    userinfo = _userinfo(url)
+    return url if userinfo is None else url.replace(f"{userinfo}@", f"{_redacted_userinfo(userinfo)}@", 1)
+
+
+def _redact_text(text: str, url: str) -> str:
+    """`text` (an exception's message, which may quote the URL) with `url`'s userinfo masked, decoded or not."""
+    userinfo = _userinfo(url)
+    if userinfo is None:
+        return text
+    for form in {userinfo, urllib.parse.unquote(userinfo)}:
+        text = text.replace(f"{form}@", f"{_redacted_userinfo(userinfo)}@")
+    return text
 
 
 def read_checksums(names: Iterable[str] | None = None, path: Path | None = None) -> dict[str, str]:
@@ -69,7 +116,7 @@ def resolve_source(base_url: str) -> str | Path:
     if mirror.startswith("file://"):
         folder = Path(urllib.request.url2pathname(urllib.parse.urlparse(mirror).path))
     elif "://" in mirror:
-        fail(f"{MIRROR_ENV}={mirror!r}: only http(s) URLs and local folders are supported; fix or unset it.")
+        fail(f"{MIRROR_ENV}={redact(mirror)!r}: only http(s) URLs and local folders are supported; fix or unset it.")
     else:
         folder = Path(mirror)
     folder = folder if folder.is_absolute() else repo_root() / folder
@@ -79,40 +126,67 @@ def resolve_source(base_url: str) -> str | Path:
     return folder
 
 
+def _too_slow(url: str, received: int, announced: str | None, elapsed: float) -> NoReturn:
+    size = f"{received:,} of {int(announced):,} bytes" if announced else f"{received:,} bytes"
+    fail(f"downloading {redact(url)} too slowly: {size} in {elapsed:.0f} s ({received / elapsed / 1024:.2f} KiB/s; "
+         f"each file may take download.timeout_s plus 1 s per {MIN_RATE_BYTES_S // 1024} KiB; not retried). "
+         f"Raise download.timeout_s in params.yaml, or set {MIRROR_ENV} to a faster mirror or a local folder.")
+
+
 def _get_once(session: requests.Session, url: str, target: Path, timeout_s: float) -> int:
     # identity: the checksums pin the bytes on the wire, and Content-Length then counts them.
     with session.get(url, stream=True, timeout=timeout_s, headers={"Accept-Encoding": "identity"}) as response:
         if response.status_code >= 500:
             raise _Transient(f"HTTP {response.status_code} {response.reason}")
         if response.status_code != 200:
-            fail(f"HTTP {response.status_code} {response.reason} for {url} (not retried): the file is not "
+            fail(f"HTTP {response.status_code} {response.reason} for {redact(url)} (not retried): the file is not "
                  f"there; check download.base_url in params.yaml or {MIRROR_ENV}.")
         announced = response.headers.get("Content-Length")
         received = 0
+        started = time.monotonic()
         with open(target, "wb") as handle, tqdm(total=int(announced) if announced else None, unit="B",
                                                 unit_scale=True, unit_divisor=1024, desc=target.stem,
                                                 leave=False, disable=None) as bar:
-            for chunk in response.iter_content(_CHUNK):
+            # read1 returns whatever one socket read brings, so the rate is checked at least once per
+            # timeout_s; iter_content would wait for a whole chunk, a day at one byte per second.
+            while chunk := response.raw.read1(_CHUNK, decode_content=True):
                 handle.write(chunk)
                 received += len(chunk)
                 bar.update(len(chunk))
+                elapsed = time.monotonic() - started
+                if elapsed > timeout_s + received / MIN_RATE_BYTES_S:
+                    _too_slow(url, received, announced, elapsed)
     # urllib3 already raises on a short read; this also covers a transport that does not.
     if announced is not None and received != int(announced):
         raise _Transient(f"received {received} of {announced} bytes")
     return received
 
 
+# Worth another attempt: the network or the server may recover. requests' own exceptions come
+# from connecting and reading the headers, urllib3's from reading the body through read1.
+_TRANSIENT = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+              urllib3.exceptions.ProtocolError, urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.SSLError,
+              _Transient)
+
+
 def _download(session: requests.Session, url: str, target: Path, timeout_s: float, retries: int) -> int:
     for attempt in range(retries + 1):
         try:
             return _get_once(session, url, target, timeout_s)
-        except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
-                _Transient) as error:
+        except requests.TooManyRedirects:
+            fail(f"{redact(url)} redirects in a loop (more than {session.max_redirects} redirects; not retried): "
+                 f"check download.base_url in params.yaml or {MIRROR_ENV}, and open the URL in a browser "
+                 "to see where it leads.")
+        except _TRANSIENT as error:
             last_error = error
             if attempt < retries:
                 time.sleep(BACKOFF_S * 2**attempt)
-    fail(f"could not download {url} after {retries + 1} attempts ({last_error}). Check the network, raise "
-         f"download.retries or download.timeout_s in params.yaml, or set {MIRROR_ENV} to a mirror.")
+        except (requests.RequestException, urllib3.exceptions.HTTPError) as error:
+            fail(f"could not download {redact(url)} ({_redact_text(str(error), url)}; not retried): check "
+                 f"download.base_url in params.yaml or {MIRROR_ENV}.")
+    fail(f"could not download {redact(url)} after {retries + 1} attempts ({_redact_text(str(last_error), url)}). "
+         f"Check the network, raise download.retries or download.timeout_s in params.yaml, or set {MIRROR_ENV} "
+         "to a mirror.")
 
 
 def _check(name: str, actual: str, expected: str, fix: str) -> None:
@@ -129,8 +203,8 @@ def fetch(expected: Mapping[str, str], source: str | Path, dest: Path, *, timeou
     Each file is written to a `.part` sibling and renamed only once its checksum
     matches, so `dest` never holds an unverified file under its real name.
     """
-    fix = (f"{source} serves other bytes than the canonical file: if {MIRROR_ENV} is set, check the mirror's "
-           "contents or unset it; if not, the file at download.base_url has changed and needs review.")
+    fix = (f"{redact(str(source))} serves other bytes than the canonical file: if {MIRROR_ENV} is set, check the "
+           "mirror's contents or unset it; if not, the file at download.base_url has changed and needs review.")
     sizes = {}
     with requests.Session() as session:
         for name in expected:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import mlflow
 
-from gat.config import DATASETS
+from gat.config import DATASETS, flatten
 from gat.data import file_names
 from stages import _fetch
 from stages._common import atomic_dir, load_params, main
@@ -26,10 +26,12 @@ def run() -> None:
     params = load_params().download
     expected = _fetch.read_checksums(file_names(args.dataset))
     source = _fetch.resolve_source(params.base_url)
+    shown_source = _fetch.redact(str(source))  # a mirror URL may carry a password
 
     with stage_run(DATA_EXPERIMENT, f"download-{args.dataset}", tags=standard_tags(args.dataset, expected)):
-        mlflow.log_params({"dataset": args.dataset, "source": str(source), "base_url": params.base_url,
-                           "timeout_s": params.timeout_s, "retries": params.retries})
+        # params.yaml's dotted keys, as every stage logs them; `dataset` and `source` are not in params.yaml.
+        logged = flatten(params, "download") | {"download.base_url": _fetch.redact(params.base_url)}
+        mlflow.log_params({"dataset": args.dataset, "source": shown_source, **logged})
         started = time.perf_counter()
         # Any failure removes the staging folder: no partial files, the previous --out untouched.
         with atomic_dir(args.out) as staging:
@@ -38,7 +40,7 @@ def run() -> None:
         seconds = time.perf_counter() - started
         mlflow.log_metrics({"total_bytes": sum(sizes.values()), "seconds": seconds})
         mlflow.log_dict(expected, "checksums.json")
-    print(f"{args.dataset}: {len(sizes)} files, {sum(sizes.values()):,} bytes from {source} "
+    print(f"{args.dataset}: {len(sizes)} files, {sum(sizes.values()):,} bytes from {shown_source} "
           f"in {seconds:.1f} s, SHA-256 verified -> {args.out}")
 
 

@@ -9,16 +9,30 @@ and `meta.json` (sizes, split settings, per-class counts, source checksums).
 from __future__ import annotations
 
 import argparse
+import pickle
 from pathlib import Path
 
 import mlflow
 import torch
 
 from gat.config import DATASETS, flatten
-from gat.data import describe, file_names, graph_to_tensors, parse_planetoid, random_split
+from gat.data import Graph, describe, file_names, graph_to_tensors, parse_planetoid, random_split
 from stages import _fetch
 from stages._common import atomic_dir, fail, load_params, main, require, write_json
 from stages._tracking import DATA_EXPERIMENT, log_dataset, stage_run, standard_tags
+
+
+def _parse(raw: dict[str, bytes], folder: Path, dataset: str) -> Graph:
+    """parse_planetoid, with a refused file as one line naming it and the fix."""
+    try:
+        return parse_planetoid(raw, dataset)
+    except (ValueError, pickle.UnpicklingError) as error:
+        # One line, whatever a library's message holds; the file name leads it (`ind.cora.ty: ...`).
+        problem = " ".join(str(error).split())
+        # The bytes passed the pinned checksums, so they came from the mirror or a re-pinned list.
+        fail(f"{folder}: {problem}. These are not the canonical Planetoid files: restore "
+             f"stages/checksums/planetoid.sha256 if it was changed, fix or unset {_fetch.MIRROR_ENV}, "
+             f"and run `dvc repro --force download@{dataset}`.")
 
 
 def run() -> None:
@@ -33,9 +47,9 @@ def run() -> None:
     expected = _fetch.read_checksums(file_names(args.dataset))
     # Checksums before unpickling: only the pinned bytes are ever unpickled.
     raw = _fetch.read_verified(require(args.raw, producer), expected, producer)
-    graph = parse_planetoid(raw, args.dataset)
+    graph = _parse(raw, args.raw, args.dataset)
 
-    split_settings = {"name": settings.split}
+    split_settings: dict[str, str | int] = {"name": settings.split}
     if settings.split == "random":
         sizes = {"seed": settings.random_seed, "train_size": settings.random_train_size,
                  "val_size": settings.random_val_size, "test_size": settings.random_test_size}
@@ -55,7 +69,7 @@ def run() -> None:
             torch.save(graph_to_tensors(graph), staging / "graph.pt")
             write_json(staging / "meta.json", meta)
         mlflow.log_artifact(str(args.out / "meta.json"))
-        log_dataset(args.dataset, params.download.base_url, expected, context="preprocess")
+        log_dataset(args.dataset, _fetch.redact(params.download.base_url), expected, context="preprocess")
     counts = "/".join(str(part["count"]) for part in meta["splits"].values())
     print(f"{args.dataset}: {meta['num_nodes']:,} nodes, {meta['num_edges']:,} edges, {meta['num_features']:,} "
           f"features, {meta['num_classes']} classes; {settings.split} split {counts} -> {args.out}")

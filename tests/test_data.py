@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import io
 import os
 import pickle
@@ -166,3 +167,161 @@ def test_real_planetoid_counts(planetoid_folder: PlanetoidFolder, dataset: str) 
     # homophily is 0.81 (Cora) and 0.74 (Citeseer).
     source, target = graph.edge_index
     assert (graph.labels[source] == graph.labels[target]).float().mean() > 0.7
+
+
+@pytest.fixture(scope="module")
+def cora_raw(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    """Synthetic cora's eight files, as bytes: each test changes its own copy."""
+    folder = tmp_path_factory.mktemp("cora")
+    write_synthetic_planetoid(folder, "cora", **SYNTHETIC_LAYOUTS["cora"])
+    return _read(folder, "cora")
+
+
+def _load(raw: dict[str, bytes], name: str) -> object:
+    return data._unpickle(raw[name], name, object)
+
+
+def _pickled(value: object) -> bytes:
+    # Protocol 4 writes bytes as bytes, without `_codecs.encode`, so these files parse on any version.
+    return pickle.dumps(value, protocol=4)
+
+
+def _test_ids(raw: dict[str, bytes]) -> list[int]:
+    return [int(token) for token in raw["ind.cora.test.index"].split()]
+
+
+def _with_test_ids(raw: dict[str, bytes], ids: list[int]) -> dict[str, bytes]:
+    return raw | {"ind.cora.test.index": "".join(f"{i}\n" for i in ids).encode()}
+
+
+def test_python3_protocol_2_pickles_of_the_arrays_parse_identically(cora_raw: dict[str, bytes]) -> None:
+    # Python 3 writes their bytes at protocol 2 as `_codecs.encode(str, "latin1")` calls.
+    repickled = {name: pickle.dumps(_load(cora_raw, name), protocol=2) if not name.endswith("test.index") else raw
+                 for name, raw in cora_raw.items()}
+    assert b"_codecs" in repickled["ind.cora.allx"]
+    original, again = parse_planetoid(cora_raw, "cora"), parse_planetoid(repickled, "cora")
+    assert torch.equal(original.features.to_dense(), again.features.to_dense())
+    for name in ("edge_index", "labels", "train_idx", "val_idx", "test_idx"):
+        assert torch.equal(getattr(original, name), getattr(again, name))
+
+
+class _Encode:
+    """Pickles as a call to `_codecs.encode(*args)`."""
+
+    def __init__(self, *args: object) -> None:
+        self.args = args
+
+    def __reduce__(self):
+        return (codecs.encode, self.args)
+
+
+@pytest.mark.parametrize("args", [("abc", "utf-8"), ("abc", "rot13"), (b"abc", "latin1"), ("abc", "latin1", "strict")])
+def test_codecs_encode_is_refused_except_for_latin1_byte_strings(args: tuple[object, ...]) -> None:
+    assert data._unpickle(pickle.dumps(_Encode("ab\xff", "latin1"), protocol=2), "ok", bytes) == b"ab\xff"
+    with pytest.raises(pickle.UnpicklingError, match=r"ind\.cora\.y: refusing _codecs\.encode"):
+        data._unpickle(pickle.dumps(_Encode(*args), protocol=2), "ind.cora.y", bytes)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (b"\x80\x02cnumpy\n", r"ind\.cora\.ally: pickle data was truncated"),
+    (b"not a pickle at all", r"ind\.cora\.ally: "),
+    (pickle.dumps([[0, 1]], protocol=2), r"ind\.cora\.ally: expected a pickled ndarray, found list"),
+])
+def test_unreadable_pickles_are_refused_naming_the_file(cora_raw: dict[str, bytes], bad: bytes, message: str) -> None:
+    with pytest.raises((ValueError, pickle.UnpicklingError), match=message):
+        parse_planetoid(cora_raw | {"ind.cora.ally": bad}, "cora")
+
+
+@pytest.mark.parametrize("text, message", [
+    (b"", "holds no test node ids"),
+    (b"640\nabc\n", "'abc' is not a node id"),
+    (b"640\n-641\n", "'-641' is not a node id"),
+    (b"640\n" + b"9" * 40 + b"\n", "is not a node id"),
+])
+def test_unreadable_test_index_is_refused(cora_raw: dict[str, bytes], text: bytes, message: str) -> None:
+    with pytest.raises(ValueError, match=rf"ind\.cora\.test\.index: .*{message}"):
+        parse_planetoid(cora_raw | {"ind.cora.test.index": text}, "cora")
+
+
+def test_a_test_id_far_outside_the_graph_is_refused(cora_raw: dict[str, bytes]) -> None:
+    ids = _test_ids(cora_raw)
+    ids[ids.index(max(ids))] = 100_000
+    with pytest.raises(ValueError, match=r"ind\.cora\.test\.index: the test ids run up to node 100000"):
+        parse_planetoid(_with_test_ids(cora_raw, ids), "cora")
+
+
+def test_padding_within_the_tolerance_is_accepted(cora_raw: dict[str, bytes]) -> None:
+    # Citeseer-like: ids missing inside the block are padded, up to MAX_PADDED_TEST_FRACTION of the test rows.
+    ids = _test_ids(cora_raw)
+    num_missing = int(data.MAX_PADDED_TEST_FRACTION * len(ids))
+    top = max(ids)
+    shifted = [i + num_missing if i > min(ids) else i for i in ids]  # a gap of num_missing after the first id
+    assert parse_planetoid(_with_test_ids(cora_raw, shifted), "cora").num_nodes == top + num_missing + 1
+    shifted = [i + 1 if i == max(shifted) else i for i in shifted]
+    with pytest.raises(ValueError, match="at most 10% of the 200 test rows may be missing"):
+        parse_planetoid(_with_test_ids(cora_raw, shifted), "cora")
+
+
+def test_a_duplicate_test_id_is_refused(cora_raw: dict[str, bytes]) -> None:
+    ids = _test_ids(cora_raw)
+    ids[1] = ids[0]
+    with pytest.raises(ValueError, match=rf"ind\.cora\.test\.index: node {ids[0]} is listed 2 times"):
+        parse_planetoid(_with_test_ids(cora_raw, ids), "cora")
+
+
+@pytest.mark.parametrize("part", ["tx", "allx", "x"])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_feature_values_are_refused(cora_raw: dict[str, bytes], part: str, value: float) -> None:
+    name = f"ind.cora.{part}"
+    features = _load(cora_raw, name).copy()
+    features.data[-1] = value
+    with pytest.raises(ValueError, match=rf"{name}: 1 NaN or infinite feature value\(s\), the first in row "
+                                         rf"{features.shape[0] - 1}"):
+        parse_planetoid(cora_raw | {name: _pickled(features)}, "cora")
+
+
+def test_a_malformed_csr_matrix_is_refused(cora_raw: dict[str, bytes]) -> None:
+    features = _load(cora_raw, "ind.cora.tx").copy()
+    features.indices[0] = features.shape[1] + 5  # a column beyond the matrix
+    with pytest.raises(ValueError, match=r"ind\.cora\.tx: not a well-formed CSR matrix"):
+        parse_planetoid(cora_raw | {"ind.cora.tx": _pickled(features)}, "cora")
+
+
+@pytest.mark.parametrize("part, row, kind", [("y", 3, "training"), ("ally", 3, "training or validation"),
+                                             ("ally", 140 + 499, "training or validation"), ("ty", 7, "test")])
+def test_an_unlabelled_node_in_the_standard_split_is_refused(cora_raw: dict[str, bytes], part: str, row: int,
+                                                             kind: str) -> None:
+    name = f"ind.cora.{part}"
+    labels = _load(cora_raw, name).copy()
+    labels[row] = 0
+    message = rf"{name}: row {row} is all zero \(1 of the first \d+ rows are\), but every {kind} node"
+    with pytest.raises(ValueError, match=message):
+        parse_planetoid(cora_raw | {name: _pickled(labels)}, "cora")
+
+
+def test_an_unlabelled_node_outside_the_standard_split_is_accepted(cora_raw: dict[str, bytes]) -> None:
+    labels = _load(cora_raw, "ind.cora.ally").copy()
+    labels[-1] = 0  # the last allx node: after the 500 validation nodes, in no split
+    graph = parse_planetoid(cora_raw | {"ind.cora.ally": _pickled(labels)}, "cora")
+    assert graph.labels[len(labels) - 1] == -1
+    assert describe(graph)["splits"]["val"]["count"] == 500
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda labels: labels * 2, "holds values other than 0 and 1"),
+    (lambda labels: labels.astype(np.float64) * np.nan, "holds values other than 0 and 1"),
+    (lambda labels: np.ones_like(labels), "row 0 has more than one 1"),
+    (lambda labels: labels[:, :-1], r"6 class columns, but ind\.cora\.ally has 7"),
+    (lambda labels: labels.argmax(axis=1), "expected a 2-D array of one-hot labels"),
+])
+def test_malformed_label_arrays_are_refused(cora_raw: dict[str, bytes], change, message: str) -> None:
+    labels = change(_load(cora_raw, "ind.cora.y"))
+    with pytest.raises(ValueError, match=rf"ind\.cora\.y: {message}"):
+        parse_planetoid(cora_raw | {"ind.cora.y": _pickled(labels)}, "cora")
+
+
+def test_a_malformed_graph_is_refused(cora_raw: dict[str, bytes]) -> None:
+    adjacency = _load(cora_raw, "ind.cora.graph")
+    adjacency[0] = None
+    with pytest.raises(ValueError, match=r"ind\.cora\.graph: expected a mapping of node ids to lists of node ids"):
+        parse_planetoid(cora_raw | {"ind.cora.graph": _pickled(adjacency)}, "cora")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import socket
 from pathlib import Path
 from typing import Callable
@@ -156,3 +157,70 @@ def test_read_verified_refuses_a_changed_file(planetoid_folder: PlanetoidFolder,
     (tmp_path / "cora" / "ind.cora.x").write_bytes(b"tampered")
     with pytest.raises(StageError, match=r"ind\.cora\.x: SHA-256 .* `dvc repro --force download@cora`"):
         _fetch.read_verified(tmp_path / "cora", expected, "download@cora")
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("http://user:s3cret@host:8080/data", "http://user:***@host:8080/data"),
+    ("https://t0ken@host/data", "https://***@host/data"),
+    ("https://host/data", "https://host/data"),
+    ("/srv/planetoid@2016", "/srv/planetoid@2016"),
+])
+def test_redact_hides_the_userinfo_secret(url: str, shown: str) -> None:
+    assert _fetch.redact(url) == shown
+
+
+def _with_password(base_url: str) -> str:
+    return base_url.replace("http://", "http://mirror-user:s3cr%40t@", 1)
+
+
+@pytest.mark.parametrize("faults, expected", [
+    ({"ind.cora.ty": ["404"]}, None),
+    ({"ind.cora.ty": ["503"] * 3}, None),
+    ({"ind.cora.ty": ["redirect-loop"]}, None),
+    ({"ind.cora.ty": ["drip"]}, None),
+    ({}, {"ind.cora.ty": "0" * 64}),
+], ids=["404", "503-after-retries", "redirect-loop", "drip", "checksum-mismatch"])
+def test_a_mirror_password_is_sent_but_never_shown(
+        planetoid_folder: PlanetoidFolder, serve_folder: Callable[..., LoopbackServer], tmp_path: Path,
+        faults: dict[str, list[str]], expected: dict[str, str] | None) -> None:
+    server = serve_folder(planetoid_folder.path, faults=faults)
+    with pytest.raises(StageError) as error:
+        with atomic_dir(tmp_path / "cora") as staging:
+            _fetch.fetch(_expected(planetoid_folder) | (expected or {}), _with_password(server.base_url), staging,
+                         timeout_s=0.5, retries=2)
+    message = str(error.value)
+    assert "s3cr" not in message and "mirror-user:***@127.0.0.1" in message
+    # requests still authenticates with the (percent-decoded) password.
+    assert base64.b64encode(b"mirror-user:s3cr@t").decode() in server.authorizations[0]
+
+
+def test_a_dripping_server_fails_at_once_leaving_nothing(
+        planetoid_folder: PlanetoidFolder, serve_folder: Callable[..., LoopbackServer], tmp_path: Path) -> None:
+    server = serve_folder(planetoid_folder.path, faults={"ind.cora.x": ["drip"] * 3})
+    message = (r"downloading http://127\.0\.0\.1:\d+/data/ind\.cora\.x too slowly: \d+ of [\d,]+ bytes in \d+ s "
+               r"\([\d.]+ KiB/s; .*not retried\)\. Raise download\.timeout_s in params\.yaml, or set GAT_DATA_MIRROR")
+    with pytest.raises(StageError, match=message):
+        with atomic_dir(tmp_path / "cora") as staging:
+            # 0.3 s of grace: the server sends a byte per 0.05 s, far below MIN_RATE_BYTES_S.
+            _fetch.fetch(_expected(planetoid_folder), server.base_url, staging, timeout_s=0.3, retries=2)
+    assert server.requests.count("ind.cora.x") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_redirect_loop_fails_at_once_naming_the_url(
+        planetoid_folder: PlanetoidFolder, serve_folder: Callable[..., LoopbackServer], tmp_path: Path) -> None:
+    server = serve_folder(planetoid_folder.path, faults={"ind.cora.tx": ["redirect-loop"]})
+    message = r"http://127\.0\.0\.1:\d+/data/ind\.cora\.tx redirects in a loop \(more than 30 redirects; not retried\)"
+    with pytest.raises(StageError, match=message):
+        _fetch_into(tmp_path / "cora", server.base_url, _expected(planetoid_folder), retries=2)
+    assert server.requests.count("ind.cora.tx") == 31  # the first request and 30 redirects, once
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unparsable_url_is_refused_at_once_without_its_password(planetoid_folder: PlanetoidFolder,
+                                                                   tmp_path: Path) -> None:
+    # requests quotes the whole URL, password included, in its InvalidURL message.
+    message = r"could not download http://user:\*\*\*@host:99999/data/ind\.cora\.x \(.*; not retried\)"
+    with pytest.raises(StageError, match=message) as error:
+        _fetch_into(tmp_path / "cora", "http://user:s3cret@host:99999/data", _expected(planetoid_folder))
+    assert "s3cret" not in str(error.value)

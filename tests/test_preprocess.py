@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import pickle
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -12,9 +15,10 @@ import pytest
 import torch
 
 from conftest import PlanetoidFolder
+from gat import data
 from gat.data import file_names, graph_from_tensors
 from stages import _fetch, preprocess
-from stages._common import StageError
+from stages._common import StageError, main
 from stages._tracking import DATA_EXPERIMENT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,3 +81,73 @@ def test_missing_raw_folder_names_the_stage(workdir: Path, monkeypatch: pytest.M
     monkeypatch.setattr(sys, "argv", ["stages.preprocess", "--dataset", "cora", "--raw", "nowhere", "--out", "x"])
     with pytest.raises(StageError, match="dvc repro download@cora"):
         preprocess.run()
+
+
+def _main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """The stage as `python -m stages.preprocess` runs it: (exit code, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["stages.preprocess", "--dataset", "cora", "--raw", "data/raw/cora",
+                                      "--out", "data/prepared/cora"])
+    previous = signal.getsignal(signal.SIGTERM)  # main() installs its own handler
+    try:
+        main(preprocess.run)
+        code = 0
+    except SystemExit as exit:
+        code = exit.code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return code, capsys.readouterr().err
+
+
+def _replace_raw_file(workdir: Path, monkeypatch: pytest.MonkeyPatch, name: str, content: bytes) -> None:
+    """Put `content` in place of raw file `name` and pin its checksum, as a mirror and a re-pinned list would."""
+    (workdir / "data/raw/cora" / name).write_bytes(content)
+    pinned = _fetch.read_checksums() | {name: hashlib.sha256(content).hexdigest()}
+    checksums = workdir / "SHA256SUMS"
+    checksums.write_text("".join(f"{digest}  {file}\n" for file, digest in pinned.items()))
+    monkeypatch.setattr(_fetch, "CHECKSUMS", checksums)
+
+
+def _with_nan_feature(raw: Path) -> bytes:
+    features = data._unpickle((raw / "ind.cora.tx").read_bytes(), "ind.cora.tx", object)
+    features.data[0] = float("nan")
+    return pickle.dumps(features, protocol=4)
+
+
+def _with_duplicate_test_id(raw: Path) -> bytes:
+    ids = (raw / "ind.cora.test.index").read_bytes().split()
+    return b"\n".join([ids[0], *ids[:-1]]) + b"\n"
+
+
+@pytest.mark.parametrize("name, content, problem", [
+    ("ind.cora.graph", lambda raw: b"cos\nsystem\n(S'echo pwned'\ntR.",
+     r"ind\.cora\.graph: refusing to load os\.system"),
+    ("ind.cora.allx", lambda raw: (raw / "ind.cora.allx").read_bytes()[:100],
+     r"ind\.cora\.allx: pickle data was truncated"),
+    ("ind.cora.y", lambda raw: pickle.dumps({"not": "an array"}, protocol=2),
+     r"ind\.cora\.y: expected a pickled ndarray, found dict"),
+    ("ind.cora.test.index", lambda raw: b"12\nabc\n", r"ind\.cora\.test\.index: 'abc' is not a node id"),
+    ("ind.cora.test.index", _with_duplicate_test_id, r"ind\.cora\.test\.index: node \d+ is listed 2 times"),
+    ("ind.cora.tx", _with_nan_feature, r"ind\.cora\.tx: 1 NaN or infinite feature value\(s\)"),
+], ids=["refused-class", "truncated", "wrong-type", "not-an-integer", "duplicate-test-id", "nan-feature"])
+def test_a_refused_raw_file_is_one_line_naming_it_and_the_fix(
+        workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str,
+        content, problem: str) -> None:
+    _replace_raw_file(workdir, monkeypatch, name, content(workdir / "data/raw/cora"))
+    code, err = _main(monkeypatch, capsys)
+    assert code == 2
+    assert re.fullmatch(rf"error: data/raw/cora: {problem}.*fix or unset GAT_DATA_MIRROR, and run "
+                        r"`dvc repro --force download@cora`\.\n", err), err
+    assert not (workdir / "data/prepared").exists()
+
+
+def test_mlflow_gets_params_yaml_keys_and_no_password(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    params = workdir / "params.yaml"
+    params.write_text(re.sub(r"base_url: https://", "base_url: https://gh-user:s3cret@", params.read_text()))
+    _run(monkeypatch)
+    (run,) = mlflow.search_runs(experiment_names=[DATA_EXPERIMENT], output_format="list")
+    # `dataset` is not a params.yaml key, so it keeps its plain name.
+    assert set(run.data.params) == {"dataset", "preprocess.split", "preprocess.random_seed",
+                                    "preprocess.random_train_size", "preprocess.random_val_size",
+                                    "preprocess.random_test_size"}
+    source = run.inputs.dataset_inputs[0].dataset.source
+    assert "gh-user:***@" in source and "s3cret" not in source
