@@ -1,0 +1,432 @@
+"""Interrupts and dead parents: a stage stops within seconds, leaves no process behind, no MLflow run
+RUNNING and no output.
+
+The first tests drive small scripts that use stages._common.main and stages._workers.worker_pool
+directly (seconds each); the last ones interrupt the real stages in a private copy of the pipeline
+(tests/pipeline_support.py). Every wait is a poll with a deadline; every process a test starts is
+killed in a `finally`, whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import psutil
+import pytest
+
+from pipeline_support import VENV_BIN, Pipeline
+from stages._tracking import REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT
+
+REPO = Path(__file__).resolve().parents[1]
+# What a started worker calls itself (stages._workers.WORKER_NAME; not imported, so that this module loads
+# without it).
+WORKER_NAME = "gat-worker"
+# How long an interrupted stage may take to exit: its handlers act within a second, then the MLflow run
+# is closed and the interpreter (torch, MLflow) shuts down, about 2 s on a busy 2-core machine.
+STOP_S = 15.0
+# How long the workers of a killed process may outlive it: PR_SET_PDEATHSIG acts at once.
+REAP_S = 5.0
+# How long a stage may take to start (imports, the MLflow store, spawned workers) on a busy machine.
+START_S = 120.0
+
+# A stand-in for a stage: `main()` around a worker pool whose jobs sleep `seconds` each (the arguments),
+# print "started <pid>" when they start and fail on a negative number; the results print in order.
+POOL_STAGE = '''
+import os, sys, time
+from stages._common import main
+from stages._workers import worker_pool
+
+def job(seconds):
+    print(f"started {os.getpid()}", flush=True)
+    if seconds < 0:
+        raise ValueError("a failed batch")
+    time.sleep(seconds)
+    return seconds
+
+def run():
+    with worker_pool(2) as pool:
+        for seconds in pool.map(job, [float(s) for s in sys.argv[1:]]):
+            print(f"done {seconds}", flush=True)
+
+if __name__ == "__main__":
+    main(run)
+'''
+
+# A stand-in for a stage that works forever inside an atomic output folder.
+ENDLESS_STAGE = '''
+import sys, time
+from stages._common import atomic_dir, main
+
+def run():
+    with atomic_dir(sys.argv[1]) as staging:
+        (staging / "partial.txt").write_text("half")
+        print("running", flush=True)
+        while True:
+            time.sleep(0.05)
+
+if __name__ == "__main__":
+    main(run)
+'''
+
+# A stand-in for a stage whose SIGTERM arrives while a finalizer runs, where an exception raised by the signal
+# handler is printed as "Exception ignored" and dropped (as one was, in a SQLAlchemy weakref callback, when
+# dvc died right after the train stage had started its run). The signal comes once the file `trigger`
+# exists, from inside the finalizer, so that it is handled there every time.
+FINALIZING_STAGE = '''
+import os, signal, time
+from pathlib import Path
+from stages._common import main
+
+class Finalized:
+    def __del__(self):
+        if Path("trigger").exists():
+            Path("trigger").unlink()
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+
+def run():
+    print("running", flush=True)
+    while True:
+        Finalized()
+        time.sleep(0.005)
+
+if __name__ == "__main__":
+    main(run)
+'''
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def _poll(condition: Callable[[], object], timeout: float, interval: float = 0.1) -> bool:
+    """Whether `condition()` became true within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def _running(process: psutil.Process) -> bool:
+    """Alive and not a zombie (a dead orphan waits for init to reap it)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _alive(processes: Iterable[psutil.Process]) -> list[psutil.Process]:
+    return [process for process in processes if _running(process)]
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _workers(pid: int) -> list[psutil.Process]:
+    """The pool workers among a process's descendants (not multiprocessing's resource tracker)."""
+    found = []
+    for process in _descendants(pid):
+        try:
+            if "spawn_main" in " ".join(process.cmdline()):
+                found.append(process)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _armed(process: psutil.Process) -> bool:
+    """Whether a worker has started, i.e. armed to die with its parent (it then renames itself)."""
+    try:
+        return process.name() == WORKER_NAME
+    except psutil.Error:
+        return False
+
+
+def _kill(processes: Iterable[psutil.Process]) -> None:
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+
+
+def _start(script: str, tmp_path: Path, *args: str, **popen: object) -> tuple[subprocess.Popen, Path, Path]:
+    """Run `script` with stdout and stderr to files (a pipe nobody reads could block it)."""
+    path = tmp_path / "stage.py"
+    path.write_text(script)
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with out.open("w") as stdout, err.open("w") as stderr:
+        process = subprocess.Popen([sys.executable, str(path), *args], cwd=tmp_path, env=env, stdout=stdout,
+                                   stderr=stderr, **popen)  # type: ignore[call-overload]
+    return process, out, err
+
+
+def _lines(path: Path, prefix: str) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.startswith(prefix)]
+
+
+class Cleanup:
+    """Every process a test starts, and all their descendants seen so far, killed at the end."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, psutil.Process] = {}
+
+    def watch(self, pid: int) -> None:
+        try:
+            found = [psutil.Process(pid), *_descendants(pid)]
+        except psutil.Error:
+            return
+        for process in found:
+            self.seen.setdefault(process.pid, process)
+
+    def kill_all(self) -> None:
+        _kill(self.seen.values())
+
+
+@pytest.fixture
+def cleanup() -> Iterable[Cleanup]:
+    tracked = Cleanup()
+    try:
+        yield tracked
+    finally:
+        tracked.kill_all()
+
+
+# ------------------------------------------------------------------------------------- worker pool level
+
+def test_results_come_in_order_and_the_pool_leaves_no_process(tmp_path: Path, cleanup: Cleanup) -> None:
+    process, out, err = _start(POOL_STAGE, tmp_path, "0.6", "0.1", "0.3", "0")
+    try:
+        cleanup.watch(process.pid)
+        assert process.wait(timeout=START_S) == 0, err.read_text()
+    finally:
+        process.kill()
+    assert _lines(out, "done") == ["done 0.6", "done 0.1", "done 0.3", "done 0.0"]
+    assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S)
+
+
+def test_workers_die_with_a_killed_parent(tmp_path: Path, cleanup: Cleanup) -> None:
+    process, out, err = _start(POOL_STAGE, tmp_path, "600", "600", "600")
+    try:
+        assert _poll(lambda: len(_lines(out, "started")) == 2 or process.poll() is not None, START_S)
+        assert len(_lines(out, "started")) == 2, err.read_text()
+        cleanup.watch(process.pid)
+        workers = _workers(process.pid)
+        assert len(workers) == 2 and all(_armed(worker) for worker in workers)
+        process.send_signal(signal.SIGKILL)
+        assert process.wait(timeout=STOP_S) == -signal.SIGKILL
+        assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S), \
+            f"orphaned: {[p.pid for p in _alive(cleanup.seen.values())]}"
+    finally:
+        process.kill()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_running_jobs_at_once(tmp_path: Path, cleanup: Cleanup, signum: int) -> None:
+    """Ctrl-C reaches the whole foreground process group: the workers get SIGINT too."""
+    process, out, err = _start(POOL_STAGE, tmp_path, "600", "600", "600", start_new_session=True)
+    try:
+        assert _poll(lambda: len(_lines(out, "started")) == 2 or process.poll() is not None, START_S)
+        assert len(_lines(out, "started")) == 2, err.read_text()
+        cleanup.watch(process.pid)
+        os.killpg(process.pid, signum)
+        assert process.wait(timeout=STOP_S) == 128 + signum
+        assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S)
+    finally:
+        process.kill()
+    name = signal.Signals(signum).name
+    assert err.read_text().strip() == (f"error: interrupted by {name}: stopping; the MLflow run is marked FAILED "
+                                       "and no output is written.")
+    assert _lines(out, "done") == []
+
+
+def test_a_failed_job_stops_the_others_at_once(tmp_path: Path, cleanup: Cleanup) -> None:
+    process, out, err = _start(POOL_STAGE, tmp_path, "600", "-1", "600")
+    try:
+        assert _poll(lambda: process.poll() is not None or len(_workers(process.pid)) == 2, START_S)
+        cleanup.watch(process.pid)
+        assert process.wait(timeout=START_S) == 1
+        assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S)
+    finally:
+        process.kill()
+    assert "ValueError: a failed batch" in err.read_text()
+    assert len(_lines(out, "started")) >= 2
+
+
+def test_a_stage_stops_when_its_parent_dies(tmp_path: Path, cleanup: Cleanup) -> None:
+    """The parent (dvc, here a shell) killed outright: the orphaned stage notices and stops."""
+    stage = tmp_path / "stage.py"
+    stage.write_text(ENDLESS_STAGE)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with (tmp_path / "stdout.txt").open("w") as stdout, (tmp_path / "stderr.txt").open("w") as stderr:
+        shell = subprocess.Popen(["bash", "-c", f"'{sys.executable}' '{stage}' '{tmp_path / 'out'}' & wait"],
+                                 cwd=tmp_path, env=env, stdout=stdout, stderr=stderr)
+    try:
+        assert _poll(lambda: bool(_lines(tmp_path / "stdout.txt", "running")) or shell.poll() is not None, START_S)
+        cleanup.watch(shell.pid)
+        (child,) = _descendants(shell.pid)
+        shell.send_signal(signal.SIGKILL)
+        shell.wait(timeout=STOP_S)
+        started = time.monotonic()
+        assert _poll(lambda: not _running(child), STOP_S), "the orphaned stage kept running"
+        stopped_in = time.monotonic() - started
+    finally:
+        shell.kill()
+    stderr_text = (tmp_path / "stderr.txt").read_text().strip()
+    assert stderr_text == (f"error: the parent process (bash, pid {shell.pid}) is gone: stopping; the MLflow run "
+                           "is marked FAILED and no output is written."), stderr_text
+    assert stopped_in < STOP_S
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["stage.py", "stderr.txt", "stdout.txt"]
+
+
+def test_a_stop_swallowed_by_a_finalizer_still_stops_the_stage(tmp_path: Path, cleanup: Cleanup) -> None:
+    process, out, err = _start(FINALIZING_STAGE, tmp_path)
+    try:
+        assert _poll(lambda: bool(_lines(out, "running")) or process.poll() is not None, START_S)
+        cleanup.watch(process.pid)
+        (tmp_path / "trigger").touch()
+        try:
+            code = process.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {STOP_S:.0f} s after SIGTERM:\n{err.read_text()[-2000:]}")
+    finally:
+        process.kill()
+    assert code == 128 + signal.SIGTERM
+    assert err.read_text().strip() == ("error: interrupted by SIGTERM: stopping; the MLflow run is marked FAILED "
+                                       "and no output is written.")
+
+
+# ------------------------------------------------------------------------------------------- stage level
+
+REPRODUCE_FOREVER = {"reproduce.seeds": 4, "reproduce.seeds_per_batch": 1, "reproduce.workers": 2,
+                     "reproduce.protocol.cora.optim.max_epochs": 100000,
+                     "reproduce.protocol.cora.optim.patience": 100000}
+
+
+def _new_run(pipeline: Pipeline, experiment: str, before: set[str]):
+    """The run of `experiment` that is not in `before`, or None."""
+    fresh = [run for run in pipeline.runs(experiment) if run.info.run_id not in before]
+    return fresh[0] if fresh else None
+
+
+def _run_ids(pipeline: Pipeline, experiment: str) -> set[str]:
+    return {run.info.run_id for run in pipeline.runs(experiment)}
+
+
+def _start_reproduce(pipeline: Pipeline, tmp_path: Path, **popen: object) -> tuple[subprocess.Popen, Path]:
+    pipeline.set_params(**REPRODUCE_FOREVER)
+    err = tmp_path / "stderr.txt"
+    with err.open("w") as stderr:
+        process = subprocess.Popen(
+            [str(VENV_BIN / "python"), "-m", "stages.reproduce", "--dataset", "cora", "--data", "data/prepared/cora",
+             "--out", str(tmp_path / "out")], cwd=pipeline.root, env=pipeline.env, stdout=subprocess.DEVNULL,
+            stderr=stderr, **popen)  # type: ignore[call-overload]
+    return process, err
+
+
+def _wait_for_training(pipeline: Pipeline, process: subprocess.Popen, err: Path, before: set[str]):
+    """The stage's RUNNING parent run, once both workers are training."""
+    assert _poll(lambda: process.poll() is not None or (_new_run(pipeline, REPRODUCE_EXPERIMENT, before)
+                                                         and len(_workers(process.pid)) == 2), START_S, 0.5), \
+        f"reproduce never started its workers:\n{err.read_text()}"
+    assert process.poll() is None, err.read_text()
+    # Started workers have armed PR_SET_PDEATHSIG (and renamed themselves); wait for that, within bounds.
+    _poll(lambda: all(_armed(worker) for worker in _workers(process.pid)), START_S / 2, 0.2)
+    return _new_run(pipeline, REPRODUCE_EXPERIMENT, before)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_interrupted_reproduce_stops_within_seconds(pipeline_copy: Pipeline, tmp_path: Path, cleanup: Cleanup,
+                                                    signum: int) -> None:
+    """SIGTERM to the stage, or Ctrl-C (SIGINT to its whole process group), while batches train."""
+    before = _run_ids(pipeline_copy, REPRODUCE_EXPERIMENT)
+    process, err = _start_reproduce(pipeline_copy, tmp_path, start_new_session=True)
+    try:
+        run = _wait_for_training(pipeline_copy, process, err, before)
+        cleanup.watch(process.pid)
+        if signum == signal.SIGINT:
+            os.killpg(process.pid, signum)
+        else:
+            process.send_signal(signum)
+        started = time.monotonic()
+        try:
+            code = process.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"reproduce still running {STOP_S:.0f} s after {signal.Signals(signum).name}")
+        stopped_in = time.monotonic() - started
+        assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S), \
+            f"left running: {[p.pid for p in _alive(cleanup.seen.values())]}"
+    finally:
+        process.kill()
+    assert code == 128 + signum
+    assert pipeline_copy.client.get_run(run.info.run_id).info.status == "FAILED"
+    assert "RUNNING" not in {run.info.status for run in pipeline_copy.runs(REPRODUCE_EXPERIMENT)}
+    assert not (tmp_path / "out").exists()
+    assert f"interrupted by {signal.Signals(signum).name}" in err.read_text()
+    assert "Traceback" not in err.read_text()
+    print(f"reproduce stopped {stopped_in:.1f} s after {signal.Signals(signum).name}")
+
+
+def test_killed_reproduce_takes_its_workers_with_it(pipeline_copy: Pipeline, tmp_path: Path,
+                                                    cleanup: Cleanup) -> None:
+    before = _run_ids(pipeline_copy, REPRODUCE_EXPERIMENT)
+    process, err = _start_reproduce(pipeline_copy, tmp_path)
+    try:
+        _wait_for_training(pipeline_copy, process, err, before)
+        cleanup.watch(process.pid)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=STOP_S)
+        started = time.monotonic()
+        assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S), \
+            f"orphaned: {[p.pid for p in _alive(cleanup.seen.values())]}"
+        print(f"workers gone {time.monotonic() - started:.2f} s after the SIGKILL")
+    finally:
+        process.kill()
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stage_whose_dvc_dies_stops_and_writes_nothing(pipeline_copy: Pipeline, cleanup: Cleanup,
+                                                         signum: int) -> None:
+    """`dvc repro` killed alone (not its process group): the train stage it ran stops on its own."""
+    pipeline_copy.set_params(**{"train.optim.max_epochs": 100000, "train.optim.patience": 100000})
+    lock = (pipeline_copy.root / "dvc.lock").read_bytes()
+    before = _run_ids(pipeline_copy, TRAIN_EXPERIMENT)
+    dvc = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "train"], cwd=pipeline_copy.root, env=pipeline_copy.env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def training() -> bool:
+            run = _new_run(pipeline_copy, TRAIN_EXPERIMENT, before)
+            return run is not None and run.info.status == "RUNNING"
+
+        assert _poll(lambda: dvc.poll() is not None or training(), START_S, 0.5), "the train stage never started"
+        assert dvc.poll() is None
+        cleanup.watch(dvc.pid)
+        assert any("stages.train" in " ".join(p.cmdline()) for p in _alive(cleanup.seen.values())), \
+            "no train stage under dvc"
+        dvc.send_signal(signum)
+        dvc.wait(timeout=STOP_S)
+        started = time.monotonic()
+        assert _poll(lambda: not _alive(cleanup.seen.values()), STOP_S), \
+            f"still running after dvc died: {[' '.join(p.cmdline()) for p in _alive(cleanup.seen.values())]}"
+        print(f"train stage gone {time.monotonic() - started:.1f} s after dvc")
+    finally:
+        dvc.kill()
+    run = _new_run(pipeline_copy, TRAIN_EXPERIMENT, before)
+    assert run.info.status == "FAILED"
+    assert "test_acc" not in run.data.metrics
+    # dvc removed the stage's outputs before it ran it; nothing that dvc.lock does not record came back.
+    assert (pipeline_copy.root / "dvc.lock").read_bytes() == lock
+    assert list((pipeline_copy.root / "data/train").iterdir()) == []
