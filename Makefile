@@ -38,7 +38,8 @@ lint: $(VENV)/.dev
 
 ## ui: the MLflow UI on http://127.0.0.1:5000 against the project's store
 ui: $(VENV)/.runtime
-	$(RUN) $(BIN)/python -m stages.init_store
+	@echo "Open these pages (the \"Model training\" view, with the important columns shown):"
+	$(RUN) $(BIN)/python -m stages.init_store --ui-base http://127.0.0.1:5000
 	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 \
 	  --backend-store-uri "$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}" \
 	  --artifacts-destination "$(CURDIR)/mlartifacts"

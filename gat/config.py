@@ -35,7 +35,7 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         (item_type, _ellipsis) = typing.get_args(annotation)
         _check(isinstance(value, list), key, f"must be a list, got {type(value).__name__} {value!r}")
         return tuple(_coerce(item, item_type, f"{key}[{i}]") for i, item in enumerate(value))
-    if dataclasses.is_dataclass(annotation):
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
         return _from_mapping(annotation, value, key)
     if origin is dict:
         key_type, value_type = typing.get_args(annotation)
@@ -144,40 +144,58 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
-class TrainParams:
-    dataset: str
-    seed: int
-    lr: float
-    weight_decay: float
-    max_epochs: int
-    patience: int
-    device: Literal["auto", "cpu", "cuda"]
+class Setup:
+    """One dataset's model and optimiser, the shape train and reproduce both run (Pubmed's: 8 output heads)."""
+
+    model: ModelConfig
+    optim: OptimConfig
 
     def validate(self, p: str) -> None:
-        self.optim.validate(p)
+        """Nothing ties the halves together; each validated itself while it was read."""
+
+
+@dataclass(frozen=True)
+class TrainParams:
+    """One training run: a dataset, a seed, and its own model and optimiser (a copy of the dataset's protocol).
+
+    Its own block, so that an experiment on `train.optim.lr` reruns train and evaluate, not 100 seeds.
+    """
+
+    dataset: str
+    seed: int
+    device: Literal["auto", "cpu", "cuda"]
+    model: ModelConfig
+    optim: OptimConfig
+
+    def validate(self, p: str) -> None:
         _in_range(self.seed, f"{p}.seed", 0, 2**63 - 1)
 
     @property
-    def optim(self) -> OptimConfig:
-        return OptimConfig(self.lr, self.weight_decay, self.max_epochs, self.patience)
+    def setup(self) -> Setup:
+        return Setup(self.model, self.optim)
 
 
 @dataclass(frozen=True)
 class ReproduceParams:
-    """`seeds` independent runs per dataset, `seeds_per_batch` per batched model, on `workers` processes (0: one per core)."""
+    """`seeds` independent runs per dataset, `seeds_per_batch` per batched model, on `workers` processes
+    (0: one per core). `protocol` holds each dataset's setup, as the paper runs it.
+    """
 
     seeds: int
     first_seed: int
     seeds_per_batch: int
     workers: int
     device: Literal["auto", "cpu", "cuda"]
-    hyperparameters: dict[str, OptimConfig]
+    protocol: dict[str, Setup]
 
     def validate(self, p: str) -> None:
         _in_range(self.seeds, f"{p}.seeds", 2, 100_000)
         _in_range(self.first_seed, f"{p}.first_seed", 0, 2**62)
         _in_range(self.seeds_per_batch, f"{p}.seeds_per_batch", 1, 1024)
         _in_range(self.workers, f"{p}.workers", 0, 1024)
+        for name in self.protocol:
+            _check(name in DATASETS, f"{p}.protocol.{name}",
+                   f"is not a dataset; the datasets are: {', '.join(DATASETS)}")
 
 
 @dataclass(frozen=True)
@@ -187,7 +205,6 @@ class Params:
     datasets: tuple[str, ...]
     download: DownloadParams
     preprocess: PreprocessParams
-    model: ModelConfig
     train: TrainParams
     reproduce: ReproduceParams
 
@@ -199,17 +216,21 @@ class Params:
         _check(self.train.dataset in self.datasets, "train.dataset",
                f"must be one of `datasets` ({', '.join(self.datasets)}), got {self.train.dataset!r}")
         for name in self.datasets:
-            _check(name in self.reproduce.hyperparameters, f"reproduce.hyperparameters.{name}",
-                   "is missing: every dataset in `datasets` needs its reproduction hyperparameters")
+            _check(name in self.reproduce.protocol, f"reproduce.protocol.{name}",
+                   "is missing: every dataset in `datasets` needs its {model, optim} block")
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "Params":
-        return _from_mapping(cls, dict(raw) if isinstance(raw, Mapping) else raw, "")
+    def from_dict(cls, raw: Any) -> "Params":
+        if not isinstance(raw, Mapping):
+            raise ParamsError(f"params.yaml must be a mapping of sections (datasets, download, ...) at the top "
+                              f"level, got a {type(raw).__name__}: see the README's Parameters section")
+        return _from_mapping(cls, dict(raw), "")
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     """Dotted keys, as in params.yaml (`train.lr`), for logging every value as a flat param."""
-    items = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    is_instance = dataclasses.is_dataclass(config) and not isinstance(config, type)
+    items = dataclasses.asdict(config) if is_instance else dict(config)
     flat: dict[str, Any] = {}
     for key, value in items.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)

@@ -12,7 +12,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 import torch
 import yaml
@@ -35,8 +35,35 @@ class StageError(RuntimeError):
     """A problem the user can fix; printed without a traceback."""
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     raise StageError(message)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    """A key set twice in one mapping of params.yaml; the lines are 1-based."""
+
+    def __init__(self, key: Any, first_line: int, line: int) -> None:
+        super().__init__(f"`{key}` is set twice in the same mapping, on lines {first_line} and {line}")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key set twice in one mapping, where PyYAML silently keeps the last value."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_lines: dict[Any, int] = {}
+        for key_node, _value in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *defaults` may be overridden on purpose
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                duplicate = key in first_lines
+            except TypeError:
+                continue  # an unhashable key: SafeLoader's own error for it follows
+            if duplicate:
+                raise _DuplicateKey(key, first_lines[key], line)
+            first_lines[key] = line
+        return super().construct_mapping(node, deep)
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
@@ -45,9 +72,15 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     if not path.is_file():
         fail(f"{path} not found: run the stage from the repository root (dvc repro does).")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except _DuplicateKey as error:
+        fail(f"{path}: {error}; delete one of them.")
+    except yaml.MarkedYAMLError as error:
+        # str(error) spans several lines with a source excerpt; the line number and the problem suffice.
+        where = f" line {error.problem_mark.line + 1}" if error.problem_mark else ""
+        fail(f"{path}{where} is not valid YAML: {error.problem or error.context}; fix it there.")
     except yaml.YAMLError as error:
-        fail(f"{path} is not valid YAML: {error}")
+        fail(f"{path} is not valid YAML: {' '.join(str(error).split())}")
     return Params.from_dict(raw or {})
 
 
@@ -113,24 +146,159 @@ def load_prepared(folder: str | Path, dataset: str) -> tuple[Graph, dict[str, An
     return graph_from_tensors(torch.load(folder / "graph.pt", weights_only=True)), meta
 
 
+def device_for(name: str, key: str) -> torch.device:
+    """The torch device that params.yaml's `key` names, or a one-line error when it is not there."""
+    from gat.training import resolve_device
+
+    try:
+        return resolve_device(name)
+    except ValueError as error:
+        fail(f"params.yaml: `{key}`: {error}.")
+
+
+@contextlib.contextmanager
+def outputs_together() -> Iterator[None]:
+    """Hold SIGTERM and SIGINT while a stage writes its outputs (milliseconds), so that a stop leaves all of
+    them new or none: a held signal acts as the block ends (the MLflow run then ends FAILED as usual)."""
+    held = {signal.SIGTERM, signal.SIGINT}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def write_json(path: str | Path, payload: Any) -> None:
     write_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 
-def _raise_on_sigterm(signum: int, _frame: Any) -> None:
-    # Turned into an exception so that context managers (the MLflow run, atomic outputs) clean up.
-    raise SystemExit(128 + signum)
+# How often a stage checks that its parent (dvc, a shell) is still there.
+PARENT_POLL_S = 0.5
+# The last resort when a stop was asked for and the stage still runs (the SystemExit was swallowed by code
+# that catches everything): exit without cleaning up. Cleaning up takes about a second.
+FORCE_EXIT_S = 30.0
+_STOPPED = "stopping; the MLflow run is marked FAILED and no output is written."
+
+
+def _say(line: str) -> None:
+    """One line on stderr, which may be a pipe whose reader (a dead dvc) is gone."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return f"{Path(f'/proc/{pid}/comm').read_text().strip()}, pid {pid}"
+    except OSError:
+        return f"pid {pid}"
+
+
+class _Interrupts:
+    """SIGTERM, SIGINT and the death of the parent process all become one SystemExit in the main thread.
+
+    An exception, not an exit, so that the context managers clean up on the way out: the MLflow run
+    ends FAILED (stages._tracking.stage_run), atomic outputs are discarded, worker processes are
+    killed (stages._workers). It is raised once: a second Ctrl-C while that cleanup runs (about a
+    second) would interrupt it and leave the run RUNNING. Raised again only when Python swallowed it:
+    a signal handler runs wherever the main thread is, a finalizer or weakref callback included, and
+    an exception there is printed as "Exception ignored" and dropped. FORCE_EXIT_S after the stop,
+    the process exits whatever it is doing.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        self.parent = os.getppid()
+        self.parent_name = _process_name(self.parent)
+        self.main_thread = threading.get_ident()  # signal handlers only install from the main thread
+        self.reason: str | None = None  # why the watchdog stops the stage, when it does
+        self.signum: int | None = None  # the stop asked for, once it is
+        self.stop_asked = 0.0
+        self.pending: SystemExit | None = None  # the stop raised in the main thread, unless it was swallowed
+        self.exiting = False  # run() is over: nothing left to interrupt
+        self.done = threading.Event()
+        self.wake = threading.Event()
+        self.previous_hook = sys.unraisablehook
+        self.watchdog = threading.Thread(target=self._watch, name="stage-watchdog", daemon=True)
+
+    def handle(self, signum: int, _frame: Any) -> None:
+        import time
+
+        if self.pending is not None or self.exiting:
+            return  # stopping already: let the cleanup finish
+        stop = self.pending = SystemExit(128 + (self.signum or signum))
+        if self.signum is None:
+            self.signum, self.stop_asked = signum, time.monotonic()
+            _say(f"error: {self.reason or f'interrupted by {signal.Signals(signum).name}'}: {_STOPPED}")
+        raise stop
+
+    def unraisable(self, info: Any) -> None:
+        if self.pending is not None and info.exc_value is self.pending and not self.exiting:
+            self.pending = None  # swallowed: the watchdog raises it again, out of this finalizer
+            self.wake.set()
+        else:
+            self.previous_hook(info)
+
+    def _watch(self) -> None:
+        """When dvc dies (even by SIGKILL), the stage is re-parented: stop it rather than let it finish
+        unseen, writing outputs that no dvc.lock records. Repeat a swallowed stop; force a stuck one."""
+        import time
+
+        parent_gone = False
+        while not self.done.is_set():
+            self.wake.wait(PARENT_POLL_S)
+            self.wake.clear()
+            if self.done.is_set():
+                return
+            if self.signum is not None:
+                if time.monotonic() - self.stop_asked > FORCE_EXIT_S:
+                    _say(f"error: still running {FORCE_EXIT_S:.0f} s after the stop: exiting without cleaning up.")
+                    os._exit(128 + self.signum)
+                if self.pending is None and not self.exiting:
+                    signal.pthread_kill(self.main_thread, self.signum)
+            elif not parent_gone and os.getppid() != self.parent:
+                parent_gone = True
+                self.reason = f"the parent process ({self.parent_name}) is gone"
+                # To the main thread itself, so that a blocking wait there is interrupted at once.
+                signal.pthread_kill(self.main_thread, signal.SIGTERM)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        watched = [signal.SIGTERM]
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # a background job (`cmd &`) keeps ignoring it
+            watched.append(signal.SIGINT)
+        previous = {signum: signal.signal(signum, self.handle) for signum in watched}
+        sys.unraisablehook = self.unraisable
+        self.watchdog.start()
+        try:
+            yield
+        finally:
+            if self.signum is None:
+                self.done.set()
+                self.wake.set()
+                sys.unraisablehook = self.previous_hook
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
+            else:  # on the way out: signals do nothing more, and the watchdog forces a stuck exit
+                self.exiting = True
 
 
 def main(run) -> None:
-    """Run a stage's `run()`: user errors become one clear line and exit code 2."""
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    """Run a stage's `run()`: user errors become one clear line and exit code 2.
+
+    SIGTERM, SIGINT (Ctrl-C) and the death of the parent process (dvc) stop the stage within a few
+    seconds (under 1 s to act, then the interpreter's own shutdown), with one line on stderr, the MLflow
+    run FAILED, no output written and exit code 128 + the signal (143; 130 for Ctrl-C).
+    """
     # Measured on the 2-core machines: with 2 intra-op threads, MKL's sparse products stall
     # (16 ms instead of 0.04 ms for Cora's x @ W), so one thread per process is fastest;
     # the reproduce stage gets its parallelism from one process per core instead.
     torch.set_num_threads(1)
-    try:
-        run()
-    except (ParamsError, StageError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    with _Interrupts().installed():
+        try:
+            run()
+        except (ParamsError, StageError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 # The machines here have no internet, and a pipeline should not phone home: no usage telemetry.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -24,6 +25,46 @@ from stages._common import fail, repo_root
 TRAIN_EXPERIMENT = "gat-repro"
 DATA_EXPERIMENT = "gat-repro-data"
 REPRODUCE_EXPERIMENT = "gat-repro-reproduce"
+
+# What each experiment holds: its description in the UI (the `mlflow.note.content` tag).
+DESCRIPTIONS = {
+    TRAIN_EXPERIMENT: "One row per training configuration (stages train + evaluate): the params with params.yaml's "
+                      "dotted keys, test_acc, val_acc, test_macro_f1, epochs and best_epoch of the restored "
+                      "checkpoint, per-epoch curves (epoch_*), the confusion matrix and curves as PNGs, and the "
+                      "model. The best configuration on val_acc is registered as gat-<dataset>@champion.",
+    DATA_EXPERIMENT: "One run per download or preprocess of a dataset: its source, checksums, sizes and split.",
+    REPRODUCE_EXPERIMENT: "The paper's table: one parent run per dataset and reproduction config, with the mean, "
+                          "std and 95% CI of test accuracy over the seeds and the report; one child run per seed.",
+}
+
+# The columns each experiment's runs table opens with, so the important values need no ticking among dozens.
+# MLflow's UI loads a view state from the experiment tag `mlflow.sharedViewState.<key>` when the page's URL
+# carries `viewStateShareKey=<key>`: `ui_url` builds that URL.
+VIEW_KEY = "main"
+VIEWS = {
+    TRAIN_EXPERIMENT: {"orderByKey": "metrics.`val_acc`", "orderByAsc": False, "selectedColumns": [
+        *(f"metrics.`{m}`" for m in ("test_acc", "val_acc", "test_macro_f1", "epochs", "best_epoch")),
+        *(f"params.`{p}`" for p in ("train.dataset", "train.seed", "train.optim.lr", "train.optim.weight_decay",
+                                    "train.model.heads", "train.model.dropout")),
+        "tags.`dvc_exp_name`"]},
+    REPRODUCE_EXPERIMENT: {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": [
+        *(f"metrics.`{m}`" for m in ("test_acc_mean", "test_acc_std", "test_acc_ci_low", "test_acc_ci_high",
+                                     "val_acc_mean", "epochs_mean", "test_acc", "val_acc", "epochs")),
+        "params.`reproduce.seeds`", "tags.`dataset`", "tags.`dvc_exp_name`"]},
+    DATA_EXPERIMENT: {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": [
+        *(f"metrics.`{m}`" for m in ("num_nodes", "num_edges", "num_features", "total_bytes", "seconds")),
+        "params.`source`", "tags.`dataset`"]},
+}
+
+# The tag by which MLflow's UI tells a classic model-training experiment from a GenAI one; without it,
+# MLflow 3 opens the experiment on an empty "Traces" page.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+NOTE = "mlflow.note.content"
+
+
+def model_name(dataset: str) -> str:
+    """What a logged model is called (and registered as): `gat-cora`."""
+    return f"gat-{dataset}"
 
 
 def tracking_uri() -> str:
@@ -43,6 +84,12 @@ def artifact_root() -> Path:
     return (_sqlite_folder(tracking_uri()) or repo_root()) / "mlartifacts"
 
 
+def _store_lock() -> contextlib.AbstractContextManager:
+    """A file lock beside a SQLite store (whose first migration, and read-then-write steps, race); else nothing."""
+    store = _sqlite_folder(tracking_uri())
+    return FileLock(str(store / ".mlflow.lock")) if store else contextlib.nullcontext()
+
+
 def connect(experiment: str) -> str:
     """Point MLflow at the store and return the experiment id, creating both once.
 
@@ -52,14 +99,28 @@ def connect(experiment: str) -> str:
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)
     store = _sqlite_folder(uri)
-    lock = FileLock(str(store / ".mlflow.lock")) if store else contextlib.nullcontext()
-    with lock:
+    with _store_lock():
         client = MlflowClient()
         found = client.get_experiment_by_name(experiment)
-        if found is not None:
-            return found.experiment_id
-        location = (artifact_root() / experiment).as_uri() if store else None
-        return client.create_experiment(experiment, artifact_location=location)
+        tags = {EXPERIMENT_KIND[0]: EXPERIMENT_KIND[1], NOTE: DESCRIPTIONS[experiment],
+                f"mlflow.sharedViewState.{VIEW_KEY}": json.dumps(VIEWS[experiment])}
+        if found is None:
+            location = (artifact_root() / experiment).as_uri() if store else None
+            return client.create_experiment(experiment, artifact_location=location, tags=tags)
+        for key, value in tags.items():  # a store made by an older version of the project gets them too
+            if found.tags.get(key) != value:
+                client.set_experiment_tag(found.experiment_id, key, value)
+        return found.experiment_id
+
+
+def ui_url(base: str, experiment_id: str) -> str:
+    """The UI page of an experiment's runs, in the "Model training" view, with the important columns shown.
+
+    MLflow 3.17 picks GenAI or Model training for the whole UI from the `workflowType` URL parameter (else
+    the browser's last choice, GenAI at first); the experiment's `mlflow.experimentKind` tag marks its kind.
+    """
+    return (f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs"
+            f"?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}")
 
 
 def data_digest(checksums: Mapping[str, str]) -> str:
@@ -99,7 +160,9 @@ def stage_run(experiment: str | None = None, run_name: str | None = None, tags: 
     interrupted `dvc repro` marks the run FAILED too instead of leaving it RUNNING.
     """
     if run_id is None:
-        experiment_id = connect(experiment)
+        if experiment is None:
+            raise ValueError("stage_run needs an experiment or a run_id")
+        experiment_id: str | None = connect(experiment)
     else:
         mlflow.set_tracking_uri(tracking_uri())
         experiment_id = None
@@ -118,7 +181,8 @@ def log_dataset(dataset: str, source: str, checksums: Mapping[str, str], context
     from mlflow.data.http_dataset_source import HTTPDatasetSource
     from mlflow.data.meta_dataset import MetaDataset
 
-    meta = MetaDataset(HTTPDatasetSource(source), name=dataset, digest=data_digest(checksums)[:16])
+    meta = MetaDataset(HTTPDatasetSource(source), name=dataset,  # type: ignore[abstract]  # MLflow's own helper
+                       digest=data_digest(checksums)[:16])
     mlflow.log_input(meta, context=context)
 
 
@@ -126,7 +190,8 @@ class EpochLogger:
     """Per-epoch step metrics, sent in batches: one SQLite transaction per epoch would cost seconds per run."""
 
     def __init__(self, run_id: str, every: int = 100):
-        self.run_id, self.every, self.pending = run_id, every, []
+        self.run_id, self.every = run_id, every
+        self.pending: list = []
         self.client = MlflowClient()
 
     def log(self, row: Mapping[str, float]) -> None:
@@ -150,20 +215,95 @@ class EpochLogger:
         self.flush()
 
 
-def log_child_runs(parent_run_id: str, experiment_id: str, rows: list[Mapping[str, float]],
-                   tags: Mapping[str, str]) -> None:
+def log_child_runs(parent_run_id: str, experiment_id: str, dataset: str, rows: Sequence[Mapping[str, float]],
+                   timings: Mapping[int, tuple[float, float]], tags: Mapping[str, str]) -> None:
     """One finished child run per seed under the parent, with that seed's final metrics.
 
-    Written with the client directly: four calls per seed keep 100 children to seconds.
+    `timings` maps a seed to the wall-clock (start, end) of its training, in seconds since the epoch, so the
+    UI shows each seed's real duration. Written with the client directly: a few calls per seed keep 100
+    children to seconds.
     """
     from mlflow.entities import Metric, Param, RunTag
 
     client = MlflowClient()
-    timestamp = int(time.time() * 1000)
     for row in rows:
-        child = client.create_run(experiment_id, run_name=f"seed-{row['seed']}",
+        seed = int(row["seed"])
+        start_ms, end_ms = (int(1000 * t) for t in timings[seed])
+        child = client.create_run(experiment_id, start_time=start_ms, run_name=f"{dataset}-seed-{seed}",
                                   tags={**tags, "mlflow.parentRunId": parent_run_id})
-        client.log_batch(child.info.run_id, params=[Param("seed", str(row["seed"]))],
-                         metrics=[Metric(k, float(v), timestamp, 0) for k, v in row.items() if k != "seed"],
-                         tags=[RunTag("seed", str(row["seed"]))])
-        client.set_terminated(child.info.run_id, "FINISHED")
+        client.log_batch(child.info.run_id, params=[Param("seed", str(seed))],
+                         metrics=[Metric(k, float(v), end_ms, 0) for k, v in row.items() if k != "seed"],
+                         tags=[RunTag("seed", str(seed))])
+        client.set_terminated(child.info.run_id, "FINISHED", end_time=end_ms)
+
+
+def params_changed_from_committed(current: Mapping[str, object], committed_yaml: str | None) -> dict[str, tuple]:
+    """Dotted key -> (committed value, this run's value) for every param in `current` that differs from the
+    committed params.yaml, both read as typed params (so `30` and `30.0` are the same value).
+
+    `committed_yaml` is the text of params.yaml at git HEAD (None when there is none); a committed file
+    that does not validate any more (an older layout) leaves nothing to compare with.
+    """
+    import yaml
+
+    from gat.config import Params, ParamsError, flatten
+
+    if committed_yaml is None:
+        return {}
+    try:
+        committed = flatten(Params.from_dict(yaml.safe_load(committed_yaml)))
+    except (yaml.YAMLError, ParamsError):
+        return {}
+    return {key: (committed.get(key, "(not set)"), value) for key, value in current.items()
+            if committed.get(key) != value}
+
+
+def committed_params_yaml() -> str | None:
+    """params.yaml as committed at HEAD, the defaults a run is described against; None outside a git checkout."""
+    try:
+        return subprocess.run(["git", "show", "HEAD:params.yaml"], capture_output=True, text=True,
+                              check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def describe_run(what: str, current: Mapping[str, object]) -> str:
+    """A run's description for the UI: what it holds, then the params that differ from the committed defaults."""
+    changed = params_changed_from_committed(current, committed_params_yaml())
+    if not changed:
+        return f"{what}\n\nAll params as committed in params.yaml (the defaults)."
+    lines = "\n".join(f"- `{key}`: {this} (committed: {before})" for key, (before, this) in sorted(changed.items()))
+    return f"{what}\n\nParams that differ from the committed params.yaml:\n{lines}"
+
+
+CHAMPION = "champion"
+
+
+def promote_if_champion(run_id: str, model: str, model_uri: str, val_acc: float) -> str:
+    """Register the run's model (`model_uri`, as log_model returned it) as a version of `model`, and move the
+    `champion` alias to it, if its val_acc is strictly higher than the current champion's (or there is none).
+    Returns a sentence saying what happened.
+
+    Validation accuracy, not test accuracy, picks the champion: choosing on the test split would leak it.
+    """
+    client = MlflowClient()
+    with _store_lock():  # read the champion, then write: two evaluations at once must not both win
+        try:
+            current = client.get_model_version_by_alias(model, CHAMPION)
+        except MlflowException:
+            current = None
+        if current is not None:
+            best = float(current.tags.get("val_acc", "nan"))
+            if current.run_id == run_id or not val_acc > best:
+                return (f"champion stays {model} version {current.version} (val_acc {best:.4f}; "
+                        f"this run {val_acc:.4f})")
+        else:
+            try:
+                client.create_registered_model(model, description=(
+                    f"GAT models trained by the pipeline on {model.removeprefix('gat-')}. The `{CHAMPION}` "
+                    "alias marks the version with the highest validation accuracy."))
+            except MlflowException:
+                pass  # registered already, with no champion yet
+        version = mlflow.register_model(model_uri, model, tags={"val_acc": repr(val_acc)})
+        client.set_registered_model_alias(model, CHAMPION, version.version)
+    return f"registered as {model} version {version.version}, now `{CHAMPION}` (val_acc {val_acc:.4f})"

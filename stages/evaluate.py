@@ -3,7 +3,11 @@
     python -m stages.evaluate --data data/prepared/cora --train data/train --out data/eval
 
 Writes `metrics.json` (for `dvc metrics show`), `per_class.json` (test precision, recall,
-F1 and support per class) and `predictions.csv` (test nodes, for the confusion-matrix plot). The metrics go into the train stage's run, so one configuration is one row.
+F1 and support per class) and `predictions.csv` (test nodes, for the confusion-matrix plot).
+The same metrics go into the train stage's run, so one configuration is one row and the UI
+shows what `dvc metrics show` shows. The run also gets the per-class table, the confusion
+matrix (JSON and PNG), and, when its val_acc beats the registered champion's, the
+`champion` alias of the registered model `gat-<dataset>`.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import torch
 from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
 
 from gat.model import model_from_state
-from gat.training import GraphTensors, loss_and_accuracy, predict
-from stages._common import load_params, load_prepared, main, require, write_csv, write_json
-from stages._tracking import stage_run
+from gat.training import GraphTensors, evaluate
+from stages._common import (fail, load_params, load_prepared, main, outputs_together, require, write_csv,
+                            write_json)
+from stages._figures import class_names, confusion_figure
+from stages._tracking import promote_if_champion, stage_run
 
 
 def run() -> None:
@@ -31,37 +37,49 @@ def run() -> None:
     dataset = load_params().train.dataset
     graph, _meta = load_prepared(args.data, dataset)
     state = torch.load(require(args.train / "model.pt", "train"), weights_only=True)
-    run_id = json.loads(require(args.train / "run.json", "train").read_text())["run_id"]
+    trained = json.loads(require(args.train / "run.json", "train").read_text())
+    if "model_uri" not in trained:
+        fail(f"{args.train / 'run.json'} comes from an older version of the train stage: "
+             "run `dvc repro --force train`.")
     tensors = GraphTensors.from_graph(graph)
-    logits = predict(model_from_state(state), tensors)  # [N, 1, C]
+    result = evaluate(model_from_state(state), tensors)
 
-    metrics = {}
-    for split, index in (("val", tensors.val_idx), ("test", tensors.test_idx)):
-        loss, accuracy = loss_and_accuracy(logits, tensors.labels, index)
-        metrics |= {f"{split}_acc": float(accuracy[0]), f"{split}_loss": float(loss[0])}
     actual = tensors.labels[tensors.test_idx].numpy()
-    predicted = logits[tensors.test_idx, 0].argmax(-1).numpy()
+    predicted = result.predicted[tensors.test_idx, 0].numpy()
     classes = list(range(graph.num_classes))
+    names = class_names(dataset, graph.num_classes)
     precision, recall, f1, support = precision_recall_fscore_support(actual, predicted, labels=classes,
                                                                      zero_division=0)
-    metrics["test_macro_f1"] = float(f1.mean())
-    per_class = {str(c): {"precision": float(precision[c]), "recall": float(recall[c]), "f1": float(f1[c]),
-                          "support": int(support[c])} for c in classes}
+    # Exactly what the UI's runs table shows: the restored checkpoint's figures, few and short-named.
+    metrics = {"test_acc": float(result.test_acc[0]), "val_acc": float(result.val_acc[0]),
+               "test_macro_f1": float(f1.mean()), "test_loss": float(result.test_loss[0]),
+               "val_loss": float(result.val_loss[0]), "epochs": int(trained["epochs"]),
+               "best_epoch": int(trained["best_epoch"])}
+    per_class = {str(c): {"name": names[c], "precision": float(precision[c]), "recall": float(recall[c]),
+                          "f1": float(f1[c]), "support": int(support[c])} for c in classes}
     confusion = confusion_matrix(actual, predicted, labels=classes).tolist()
 
     # Resume the train stage's run: the test accuracy belongs on the row of its configuration.
-    with stage_run(run_id=run_id):
+    with stage_run(run_id=trained["run_id"]):
         mlflow.log_metrics(metrics)
-        mlflow.log_metrics({f"test_{k}_class_{c}": v[k] for c, v in per_class.items()
-                            for k in ("precision", "recall", "f1")})
-        mlflow.log_dict({"labels": classes, "rows_actual_columns_predicted": confusion}, "confusion_matrix.json")
+        mlflow.log_table({"class": classes, **{key: [per_class[str(c)][key] for c in classes]
+                                               for key in ("name", "precision", "recall", "f1", "support")}},
+                         "per_class_table.json")
         mlflow.log_dict(per_class, "per_class.json")
+        mlflow.log_dict({"labels": classes, "names": names, "rows_actual_columns_predicted": confusion},
+                        "confusion_matrix.json")
+        mlflow.log_figure(confusion_figure(confusion, names, f"{dataset}: test confusion matrix "
+                                           f"(accuracy {metrics['test_acc']:.3f})"), "confusion_matrix.png")
+        champion = promote_if_champion(trained["run_id"], trained["model"], trained["model_uri"],
+                                       metrics["val_acc"])
 
-    write_json(args.out / "metrics.json", metrics)
-    write_json(args.out / "per_class.json", per_class)
-    write_csv(args.out / "predictions.csv", [{"node": int(n), "actual": int(a), "predicted": int(p)}
-                                             for n, a, p in zip(tensors.test_idx, actual, predicted)])
-    print(f"{dataset}: test accuracy {metrics['test_acc']:.4f}, validation {metrics['val_acc']:.4f} -> {args.out}")
+        with outputs_together():
+            write_json(args.out / "metrics.json", metrics)
+            write_json(args.out / "per_class.json", per_class)
+            write_csv(args.out / "predictions.csv", [{"node": int(n), "actual": int(a), "predicted": int(p)}
+                                                     for n, a, p in zip(tensors.test_idx, actual, predicted)])
+    print(f"{dataset}: test accuracy {metrics['test_acc']:.4f}, validation {metrics['val_acc']:.4f} -> {args.out}"
+          f"; {champion}")
 
 
 if __name__ == "__main__":

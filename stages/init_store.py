@@ -1,19 +1,27 @@
 """Create (or migrate) the MLflow store and its experiments once, before any stage runs.
 
-    python -m stages.init_store
+    python -m stages.init_store [--ui-base http://127.0.0.1:5000]
 
 A brand-new SQLite store that parallel processes (`dvc queue start -j 2`) race to create
-fails; `make repro` and `make ui` run this first so the store always exists.
+fails; `make repro` and `make ui` run this first so the store always exists. With
+`--ui-base`, it prints the UI address of each experiment's runs table.
 """
 
+import argparse
+
 from stages._common import main
-from stages._tracking import DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT, connect, tracking_uri
+from stages._tracking import DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT, connect, tracking_uri, ui_url
 
 
 def run() -> None:
-    for experiment in (DATA_EXPERIMENT, TRAIN_EXPERIMENT, REPRODUCE_EXPERIMENT):
-        connect(experiment)
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ui-base", help="the MLflow UI's address, to print each experiment's page")
+    args = parser.parse_args()
+    ids = {name: connect(name) for name in (TRAIN_EXPERIMENT, REPRODUCE_EXPERIMENT, DATA_EXPERIMENT)}
     print(f"MLflow store ready: {tracking_uri()}")
+    if args.ui_base:
+        for name, experiment_id in ids.items():
+            print(f"  {name}: {ui_url(args.ui_base, experiment_id)}")
 
 
 if __name__ == "__main__":

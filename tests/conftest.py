@@ -10,7 +10,9 @@ For other test modules:
 - `serve_folder` (function): a factory `serve_folder(folder, faults=None) -> LoopbackServer`
   that serves `folder` on 127.0.0.1 until the test ends. `faults` maps a file name to the
   behaviours of its next requests, one per request (`"503"`, `"404"`, `"truncate"`: a
-  body half as long as its Content-Length); after those, the file is served normally.
+  body half as long as its Content-Length; `"drip"`: one byte every DRIP_INTERVAL_S, for
+  at most DRIP_BYTES bytes, then the connection closes; `"redirect-loop"`: a redirect to
+  itself, forever); after those, the file is served normally.
 - `planetoid_url` (function): the base URL of `planetoid_folder` served that way, e.g.
   for `GAT_DATA_MIRROR`.
 - `write_synthetic_planetoid(folder, dataset, **layout)`: write one synthetic dataset and
@@ -27,6 +29,7 @@ import io
 import pickle
 import struct
 import threading
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -185,15 +188,25 @@ def planetoid_folder(tmp_path_factory: pytest.TempPathFactory) -> PlanetoidFolde
     return PlanetoidFolder(folder, False, read_checksums(path=folder / "SHA256SUMS"))
 
 
+# The "drip" fault: far slower than any download should accept, yet each byte comes well within
+# a read timeout. It stops after DRIP_BYTES (about 3 s), so a client that waits does not hang the tests.
+DRIP_INTERVAL_S = 0.05
+DRIP_BYTES = 60
+# The query that marks a request of the "redirect-loop" fault, which redirects to itself.
+_LOOP_QUERY = "redirect-loop"
+
+
 @dataclass
 class LoopbackServer:
     """A running server: `base_url` + "/" + file name serves that file of the folder.
 
-    `requests` lists the file names asked for, in order; `faults` is consumed as they come.
+    `requests` lists the file names asked for, in order, and `authorizations` the
+    Authorization header of each (None without one); `faults` is consumed as they come.
     """
 
     base_url: str
     requests: list[str] = field(default_factory=list)
+    authorizations: list[str | None] = field(default_factory=list)
     faults: dict[str, list[str]] = field(default_factory=dict)
 
 
@@ -203,9 +216,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server: "_Server"
 
     def do_GET(self) -> None:
-        name = self.path.rsplit("/", 1)[-1]
+        url = urllib.parse.urlsplit(self.path)
+        name = url.path.rsplit("/", 1)[-1]
         state = self.server.state
         state.requests.append(name)
+        state.authorizations.append(self.headers.get("Authorization"))
+        if url.query == _LOOP_QUERY:  # a request the "redirect-loop" fault made: it consumes no fault
+            self._redirect_to_itself(url.path)
+            return
         queue = state.faults.get(name) or []
         fault = queue.pop(0) if queue else None
         path = self.server.folder / name
@@ -213,13 +231,35 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_error(404)
         elif fault == "503":
             self.send_error(503)
+        elif fault == "redirect-loop":
+            self._redirect_to_itself(url.path)
         else:
             body = path.read_bytes()
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body[: len(body) // 2] if fault == "truncate" else body)
+            if fault == "drip":
+                self._drip(body)
+            else:
+                self.wfile.write(body[: len(body) // 2] if fault == "truncate" else body)
+
+    def _redirect_to_itself(self, path: str) -> None:
+        self.send_response(302)
+        self.send_header("Location", f"{path}?{_LOOP_QUERY}")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _drip(self, body: bytes) -> None:
+        """One byte per DRIP_INTERVAL_S, until DRIP_BYTES are sent, the client hangs up or the server stops."""
+        for byte in body[:DRIP_BYTES]:
+            if self.server.stopping.wait(DRIP_INTERVAL_S):
+                return
+            try:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+            except OSError:  # the client gave up, as it should
+                return
 
     def log_message(self, format: str, *args: object) -> None:
         pass  # keep pytest output clean
@@ -231,6 +271,7 @@ class _Server(http.server.ThreadingHTTPServer):
     def __init__(self, folder: Path, state: LoopbackServer) -> None:
         self.folder = folder
         self.state = state
+        self.stopping = threading.Event()  # ends the handlers that are still dripping
         super().__init__(("127.0.0.1", 0), _Handler)
 
 
@@ -244,6 +285,7 @@ def serving(folder: Path, faults: dict[str, list[str]] | None = None) -> Iterato
     try:
         yield state
     finally:
+        server.stopping.set()
         server.shutdown()
         server.server_close()
 
@@ -257,3 +299,7 @@ def serve_folder() -> Iterator[Callable[..., LoopbackServer]]:
 @pytest.fixture
 def planetoid_url(planetoid_folder: PlanetoidFolder, serve_folder: Callable[..., LoopbackServer]) -> str:
     return serve_folder(planetoid_folder.path).base_url
+
+
+# The end-to-end fixtures live in their own module; importing them here makes them visible to every test file.
+from pipeline_support import pipeline, pipeline_copy, planetoid_server  # noqa: E402,F401

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gat.config import DATASETS, ModelConfig, OptimConfig, Params, ParamsError, flatten
+from gat.config import DATASETS, ModelConfig, OptimConfig, Params, ParamsError, Setup, flatten
 
 PARAMS_YAML = Path(__file__).resolve().parents[1] / "params.yaml"
 
@@ -23,10 +23,10 @@ def raw() -> dict[str, Any]:
 def test_the_repository_params_load(raw) -> None:
     params = Params.from_dict(raw)
     assert set(params.datasets) <= set(DATASETS)
-    assert isinstance(params.model, ModelConfig) and isinstance(params.train.optim, OptimConfig)
-    assert set(params.reproduce.hyperparameters) == set(params.datasets)
-    assert all(isinstance(h, OptimConfig) for h in params.reproduce.hyperparameters.values())
-    assert isinstance(params.train.lr, float) and isinstance(params.download.timeout_s, float)  # int -> float
+    assert isinstance(params.train.model, ModelConfig) and isinstance(params.train.optim, OptimConfig)
+    assert set(params.reproduce.protocol) == set(params.datasets)
+    assert all(isinstance(setup, Setup) for setup in params.reproduce.protocol.values())
+    assert isinstance(params.train.optim.lr, float) and isinstance(params.download.timeout_s, float)  # int -> float
     assert isinstance(params.datasets, tuple)
 
 
@@ -58,24 +58,27 @@ def _refused(raw: dict[str, Any], key: str) -> str:
     return message
 
 
-@pytest.mark.parametrize("key", ["train.lr", "model.heads", "reproduce.hyperparameters.cora.patience",
+@pytest.mark.parametrize("key", ["train.optim.lr", "train.model.heads", "reproduce.protocol.cora.optim.patience",
+                                 "reproduce.protocol.citeseer.model.heads",
                                  "download.base_url", "reproduce.seeds_per_batch"])
 def test_a_missing_key_is_named(raw, key: str) -> None:
     assert "missing" in _refused(_delete(raw, key), key)
 
 
-@pytest.mark.parametrize("key", ["train.momentum", "model.layers", "reproduce.hyperparameters.cora.betas", "extra"])
+@pytest.mark.parametrize("key", ["train.momentum", "train.model.layers", "reproduce.protocol.cora.optim.betas",
+                                 "reproduce.protocol.cora.schedule", "extra"])
 def test_an_unknown_key_is_named(raw, key: str) -> None:
     assert "not a known key" in _refused(_set(raw, key, 1), key)
 
 
 @pytest.mark.parametrize("key,value", [
-    ("train.lr", "0.005"),                      # str for float
-    ("train.lr", True),                         # bool for float
-    ("train.patience", True),                   # bool for int
-    ("train.max_epochs", 100.0),                # float for int
-    ("model.heads", 8.5),
-    ("reproduce.hyperparameters.citeseer.weight_decay", "5e-4"),
+    ("train.optim.lr", "0.005"),                # str for float
+    ("train.optim.lr", True),                   # bool for float
+    ("train.optim.patience", True),             # bool for int
+    ("train.optim.max_epochs", 100.0),          # float for int
+    ("train.model.heads", 8.5),
+    ("reproduce.protocol.citeseer.optim.weight_decay", "5e-4"),
+    ("reproduce.protocol.citeseer.model", [8, 8]),
     ("download.base_url", 42),                  # int for str
     ("datasets", "cora"),                       # str for list
 ])
@@ -84,14 +87,15 @@ def test_a_wrong_type_is_named(raw, key: str, value: Any) -> None:
 
 
 @pytest.mark.parametrize("key,value", [
-    ("train.lr", 0.0),
-    ("train.lr", -0.005),
-    ("model.dropout", 1.0),
-    ("model.dropout", -0.1),
-    ("train.patience", 0),
-    ("reproduce.hyperparameters.cora.patience", 0),
-    ("reproduce.hyperparameters.cora.lr", 0),
-    ("model.hidden_features", 0),
+    ("train.optim.lr", 0.0),
+    ("train.optim.lr", -0.005),
+    ("train.model.dropout", 1.0),
+    ("train.model.dropout", -0.1),
+    ("train.optim.patience", 0),
+    ("reproduce.protocol.cora.optim.patience", 0),
+    ("reproduce.protocol.cora.optim.lr", 0),
+    ("reproduce.protocol.citeseer.model.dropout", 1.0),
+    ("train.model.hidden_features", 0),
     ("reproduce.seeds", 1),
     ("download.base_url", "ftp://example.org/data"),
 ])
@@ -105,7 +109,9 @@ def test_a_dataset_outside_the_list_is_named(raw) -> None:
     # In DATASETS but not in `datasets`: training it would use data that was never prepared.
     only_cora = _set(raw, "datasets", ["cora"])
     _refused(_set(only_cora, "train.dataset", "citeseer"), "train.dataset")
-    _refused(_delete(raw, "reproduce.hyperparameters.citeseer"), "reproduce.hyperparameters.citeseer")
+    _refused(_delete(raw, "reproduce.protocol.citeseer"), "reproduce.protocol.citeseer")
+    _refused(_set(raw, "reproduce.protocol.pubmeds", raw["reproduce"]["protocol"]["cora"]),
+             "reproduce.protocol.pubmeds")
 
 
 @pytest.mark.parametrize("key,value", [("preprocess.split", "foo"), ("train.device", "tpu"),
@@ -118,9 +124,9 @@ def test_a_bad_choice_is_named(raw, key: str, value: str) -> None:
 def test_flatten_gives_dotted_keys(raw) -> None:
     params = Params.from_dict(raw)
     flat = flatten(params)
-    assert flat["train.lr"] == params.train.lr
-    assert flat["model.heads"] == params.model.heads
-    assert flat["reproduce.hyperparameters.cora.patience"] == params.reproduce.hyperparameters["cora"].patience
+    assert flat["train.optim.lr"] == params.train.optim.lr
+    assert flat["train.model.heads"] == params.train.model.heads
+    assert flat["reproduce.protocol.cora.optim.patience"] == params.reproduce.protocol["cora"].optim.patience
     assert flat["datasets"] == ",".join(params.datasets)
     assert all(not isinstance(value, (dict, list, tuple)) for value in flat.values())
     # One flat key per leaf of params.yaml.
@@ -129,4 +135,20 @@ def test_flatten_gives_dotted_keys(raw) -> None:
             return set().union(*(leaves(v, f"{prefix}.{k}" if prefix else k) for k, v in node.items()))
         return {prefix}
     assert set(flat) == leaves(raw)
-    assert flatten(params.model, "model") == {k: v for k, v in flat.items() if k.startswith("model.")}
+    assert flatten(params.train.model, "train.model") == {k: v for k, v in flat.items()
+                                                          if k.startswith("train.model.")}
+
+
+def test_every_dataset_has_one_block_used_by_train_and_reproduce_alike(raw) -> None:
+    """One {model, optim} shape for a dataset, wherever it is set: Pubmed's 8 output heads have a place."""
+    params = Params.from_dict(raw)
+    assert params.train.setup == params.reproduce.protocol[params.train.dataset]  # the committed defaults agree
+    pubmed_like = _set(raw, "reproduce.protocol.citeseer.model.output_heads", 8)
+    assert Params.from_dict(pubmed_like).reproduce.protocol["citeseer"].model.output_heads == 8
+
+
+@pytest.mark.parametrize("document", [["cora"], "just text", 42])
+def test_a_params_file_that_is_not_a_mapping_is_named_properly(document) -> None:
+    with pytest.raises(ParamsError) as error:
+        Params.from_dict(document)
+    assert "``" not in str(error.value) and "top level" in str(error.value)

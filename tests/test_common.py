@@ -1,0 +1,74 @@
+"""stages._common.load_params: params.yaml read strictly, every problem one line."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from gat.config import Params, ParamsError
+from stages._common import StageError, load_params
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_repository_params_load() -> None:
+    # It repeats key names (lr, device, ...) in different mappings, which is fine.
+    assert isinstance(load_params(REPO / "params.yaml"), Params)
+
+
+def test_a_key_set_twice_is_refused_naming_it_and_both_lines(tmp_path: Path) -> None:
+    path = _write(tmp_path, "train:\n  seed: 0\n  lr: 0.005\n  dataset: cora\n  lr: 0.01\n")
+    with pytest.raises(StageError) as error:
+        load_params(path)
+    assert str(error.value) == f"{path}: `lr` is set twice in the same mapping, on lines 3 and 5; delete one of them."
+
+
+def test_a_section_set_twice_is_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path, "download:\n  retries: 4\ndatasets: [cora]\ndownload: {retries: 0}\n")
+    with pytest.raises(StageError, match=r"`download` is set twice in the same mapping, on lines 1 and 4"):
+        load_params(path)
+
+
+def test_a_merge_key_may_be_overridden(tmp_path: Path) -> None:
+    # `<<: *defaults` then a key of its own is YAML's way to override a default, not a duplicate:
+    # the file gets as far as validation, which refuses the unknown sections.
+    path = _write(tmp_path, "defaults: &defaults {lr: 0.005}\nmine:\n  <<: *defaults\n  lr: 0.01\n")
+    with pytest.raises(ParamsError, match="is not a known key"):
+        load_params(path)
+
+
+def test_invalid_yaml_is_one_line_with_its_line_number(tmp_path: Path) -> None:
+    path = _write(tmp_path, "datasets: [cora]\nbroken: [1, 2\nnext: 3\n")
+    with pytest.raises(StageError) as error:
+        load_params(path)
+    assert re.fullmatch(rf"{re.escape(str(path))} line 3 is not valid YAML: expected ',' or '\]', but got ':'; "
+                        "fix it there\\.", str(error.value))
+
+
+def test_a_stop_during_the_output_writes_waits_until_all_are_written(tmp_path: Path) -> None:
+    """SIGTERM while a stage writes its outputs acts only once all of them are there: none is left half-new."""
+    import os
+    import signal
+
+    from stages._common import outputs_together, write_json
+
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
+    try:
+        with outputs_together():
+            write_json(tmp_path / "a.json", {"a": 1})
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert received == []
+            write_json(tmp_path / "b.json", {"b": 2})
+        assert received == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.json", "b.json"]
