@@ -138,19 +138,28 @@ class Runner:
     eval_pass: Callable[[], tuple[Tensor, Tensor]]
 
 
-def build_engine(graph: Graph, seeds: Sequence[int] = (0,)) -> Runner:
-    """`gat.model.GAT`, one replica per seed: trained by `gat.training.train`'s step, measured by its `evaluate`."""
+def build_engine(graph: Graph, seeds: Sequence[int] = (0,), per_epoch_validation: bool = False) -> Runner:
+    """`gat.model.GAT`, one replica per seed: trained by `gat.training.train`'s step, measured by its `evaluate`.
+
+    With `per_epoch_validation`, the eval pass is instead the validation pass that `train` runs after every
+    step: eval mode, no autograd, on the validation nodes' receptive field only.
+    """
     tensors = GraphTensors.from_graph(graph)
     model = GAT(MODEL, tensors.x.num_features, tensors.num_classes, seeds)
     noise = ReplicaDropout(seeds, MODEL.dropout)
     optimiser = torch.optim.Adam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     train_view = NodeView.of(tensors, tensors.train_idx, model.n_layers)
+    val_view = NodeView.of(tensors, tensors.val_idx, model.n_layers)
 
     def step() -> Tensor:
         loss, _ = train_step(model, optimiser, train_view, noise)
         return loss
 
     def eval_pass() -> tuple[Tensor, Tensor]:
+        if per_epoch_validation:
+            model.eval()
+            with torch.no_grad():
+                return val_view.loss_and_accuracy(model)
         evaluation = evaluate(model, tensors)
         return evaluation.val_loss, evaluation.val_acc
 
@@ -327,6 +336,9 @@ def cases(graph: Graph, *, repeats: int, warmup: int, dense_repeats: int, dense_
         Case("engine_batched", f"this engine, per seed of {batched_seeds} batched",
              lambda g: build_engine(g, seeds), 1, "full Cora (training nodes' receptive field)",
              engine_eval, replicas=batched_seeds, **fast),
+        Case("engine_epoch_validation", "this engine (1 seed), eval = train's per-epoch validation pass",
+             lambda g: build_engine(g, per_epoch_validation=True), 1, "full Cora (training nodes' receptive field)",
+             f"gat.training.NodeView: the validation nodes' receptive field only, then {val}", **fast),
     ]
     for threads in sorted({1, DEFAULT_THREADS}):
         listed.append(Case(f"pyg_{threads}t", f"PyG GATConv ({threads} thread{'s' * (threads > 1)})", build_pyg,

@@ -94,9 +94,10 @@ def test_the_downloaded_folder_is_verified_against_the_pinned_checksums(
 @pytest.mark.parametrize("build, replicas", [
     (bench.build_engine, 1),
     (lambda g: bench.build_engine(g, seeds=[0, 1, 2]), 3),
+    (lambda g: bench.build_engine(g, per_epoch_validation=True), 1),
     (bench.build_pyg, 1),
     (lambda g: bench.build_dense(g, DENSE_NODES), 1),
-], ids=["engine", "engine_batched", "pyg", "dense"])
+], ids=["engine", "engine_batched", "engine_epoch_validation", "pyg", "dense"])
 def test_every_implementation_trains_and_evaluates(graph: Graph, build, replicas: int) -> None:
     runner = build(graph)
     before, _ = runner.eval_pass()
@@ -171,7 +172,7 @@ def report(graph: Graph, tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_report_has_the_required_keys_per_implementation(report: dict) -> None:
     keys = {"train_step_ms", "eval_ms", "peak_rss_mb", "train_step_vs_pyg", "eval_vs_pyg", "repeats", "threads",
             "graph"}
-    assert {"engine", "engine_batched", "pyg_1t", "dense"} <= set(report["implementations"])
+    assert {"engine", "engine_batched", "engine_epoch_validation", "pyg_1t", "dense"} <= set(report["implementations"])
     for entry in report["implementations"].values():
         assert keys <= set(entry)
         assert math.isfinite(entry["train_step_ms"]) and math.isfinite(entry["eval_ms"])
