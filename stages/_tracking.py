@@ -47,7 +47,8 @@ VIEWS = {
         *(f"params.`{p}`" for p in ("train.dataset", "train.seed", "train.optim.lr", "train.optim.weight_decay",
                                     "train.model.heads", "train.model.dropout")),
         "tags.`dvc_exp_name`"]},
-    REPRODUCE_EXPERIMENT: {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": [
+    # Sorted on a parent-only metric: the parents come first, each with its seeds folded under it.
+    REPRODUCE_EXPERIMENT: {"orderByKey": "metrics.`test_acc_mean`", "orderByAsc": False, "selectedColumns": [
         *(f"metrics.`{m}`" for m in ("test_acc_mean", "test_acc_std", "test_acc_ci_low", "test_acc_ci_high",
                                      "val_acc_mean", "epochs_mean", "test_acc", "val_acc", "epochs")),
         "params.`reproduce.seeds`", "tags.`dataset`", "tags.`dvc_exp_name`"]},
