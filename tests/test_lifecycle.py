@@ -161,6 +161,12 @@ def _kill(processes: Iterable[psutil.Process]) -> None:
             pass
 
 
+# Starts a command with Ctrl-C's default action, as from a terminal: a test runner that itself runs as a
+# background job (`make test &`, some CI runners) ignores SIGINT, and its children would inherit that.
+WITH_DEFAULT_SIGINT = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                       "os.execv(sys.argv[1], sys.argv[1:])"]
+
+
 def _start(script: str, tmp_path: Path, *args: str, **popen: object) -> tuple[subprocess.Popen, Path, Path]:
     """Run `script` with stdout and stderr to files (a pipe nobody reads could block it)."""
     path = tmp_path / "stage.py"
@@ -168,8 +174,8 @@ def _start(script: str, tmp_path: Path, *args: str, **popen: object) -> tuple[su
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with out.open("w") as stdout, err.open("w") as stderr:
-        process = subprocess.Popen([sys.executable, str(path), *args], cwd=tmp_path, env=env, stdout=stdout,
-                                   stderr=stderr, **popen)  # type: ignore[call-overload]
+        process = subprocess.Popen([*WITH_DEFAULT_SIGINT, sys.executable, str(path), *args], cwd=tmp_path, env=env,
+                                   stdout=stdout, stderr=stderr, **popen)  # type: ignore[call-overload]
     return process, out, err
 
 
@@ -330,7 +336,8 @@ def _start_reproduce(pipeline: Pipeline, tmp_path: Path, **popen: object) -> tup
     err = tmp_path / "stderr.txt"
     with err.open("w") as stderr:
         process = subprocess.Popen(
-            [str(VENV_BIN / "python"), "-m", "stages.reproduce", "--dataset", "cora", "--data", "data/prepared/cora",
+            [*WITH_DEFAULT_SIGINT, str(VENV_BIN / "python"), "-m", "stages.reproduce", "--dataset", "cora", "--data",
+             "data/prepared/cora",
              "--out", str(tmp_path / "out")], cwd=pipeline.root, env=pipeline.env, stdout=subprocess.DEVNULL,
             stderr=stderr, **popen)  # type: ignore[call-overload]
     return process, err
