@@ -156,16 +156,33 @@ def device_for(name: str, key: str) -> torch.device:
         fail(f"params.yaml: `{key}`: {error}.")
 
 
+class _OutputHold:
+    """Whether a stage is writing its outputs, and the stop (a signal number) that came meanwhile."""
+
+    depth = 0
+    held: int | None = None
+
+
+_HOLD = _OutputHold()
+
+
 @contextlib.contextmanager
 def outputs_together() -> Iterator[None]:
-    """Hold SIGTERM and SIGINT while a stage writes its outputs (milliseconds), so that a stop leaves all of
-    them new or none: a held signal acts as the block ends (the MLflow run then ends FAILED as usual)."""
-    held = {signal.SIGTERM, signal.SIGINT}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    """Hold a stop (SIGTERM, Ctrl-C, a dead parent) while a stage writes its outputs, milliseconds, so that
+    a stop leaves all of them new or none: the held stop acts as the block ends, and the MLflow run then
+    ends FAILED as usual.
+
+    A flag that the stop handler reads, not a signal mask: the kernel hands a process's signal to any of
+    its threads that doesn't block it, and Python then runs the handler in the main thread regardless.
+    """
+    _HOLD.depth += 1
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        _HOLD.depth -= 1
+        if _HOLD.depth == 0 and _HOLD.held is not None:
+            signum, _HOLD.held = _HOLD.held, None
+            signal.raise_signal(signum)
 
 
 def write_json(path: str | Path, payload: Any) -> None:
@@ -228,6 +245,9 @@ class _Interrupts:
 
         if self.pending is not None or self.exiting:
             return  # stopping already: let the cleanup finish
+        if _HOLD.depth:
+            _HOLD.held = signum  # outputs are being written: stop once they all are
+            return
         stop = self.pending = SystemExit(128 + (self.signum or signum))
         if self.signum is None:
             self.signum, self.stop_asked = signum, time.monotonic()

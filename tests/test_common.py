@@ -54,21 +54,31 @@ def test_invalid_yaml_is_one_line_with_its_line_number(tmp_path: Path) -> None:
 
 
 def test_a_stop_during_the_output_writes_waits_until_all_are_written(tmp_path: Path) -> None:
-    """SIGTERM while a stage writes its outputs acts only once all of them are there: none is left half-new."""
-    import os
-    import signal
+    """SIGTERM while a stage writes its outputs acts only once all of them are there: none is left half-new.
 
-    from stages._common import outputs_together, write_json
+    In a process of its own, as a stage runs: main() installs the stop handlers for good once a stop came.
+    """
+    import subprocess
+    import sys
 
-    received: list[int] = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
-    try:
-        with outputs_together():
-            write_json(tmp_path / "a.json", {"a": 1})
-            os.kill(os.getpid(), signal.SIGTERM)
-            assert received == []
-            write_json(tmp_path / "b.json", {"b": 2})
-        assert received == [signal.SIGTERM]
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.json", "b.json"]
+    script = tmp_path / "stage.py"
+    script.write_text(
+        "import os, signal, sys, threading, time\n"
+        "from pathlib import Path\n"
+        "from stages._common import main, outputs_together, write_json\n"
+        "out = Path(sys.argv[1])\n"
+        "def run():\n"
+        "    # another thread, as MLflow and tqdm start: the kernel may hand it the signal\n"
+        "    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "    with outputs_together():\n"
+        "        write_json(out / 'a.json', {'a': 1})\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)  # to the process, as dvc sends it\n"
+        "        write_json(out / 'b.json', {'b': 2})\n"
+        "    write_json(out / 'after.json', {})\n"
+        "main(run)\n")
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=repo, capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 128 + 15, done.stderr
+    assert "interrupted by SIGTERM" in done.stderr
+    assert sorted(path.name for path in tmp_path.glob("*.json")) == ["a.json", "b.json"]
