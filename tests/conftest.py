@@ -301,5 +301,26 @@ def planetoid_url(planetoid_folder: PlanetoidFolder, serve_folder: Callable[...,
     return serve_folder(planetoid_folder.path).base_url
 
 
+def run_stage_in_process(monkeypatch: pytest.MonkeyPatch, module: str, run: Callable[[], None], *args: str) -> int:
+    """A stage as `python -m <module> ARGS` runs it, but in this process: its exit code (0, or main()'s).
+
+    main() installs its own SIGTERM handler; the test process gets its own back.
+    """
+    import signal
+    import sys
+
+    from stages._common import main
+
+    monkeypatch.setattr(sys, "argv", [module, *args])
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        main(run)
+        return 0
+    except SystemExit as exit:
+        return int(exit.code or 0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 # The end-to-end fixtures live in their own module; importing them here makes them visible to every test file.
 from pipeline_support import pipeline, pipeline_copy, planetoid_server  # noqa: E402,F401

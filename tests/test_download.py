@@ -5,16 +5,15 @@ from __future__ import annotations
 import base64
 import re
 import shutil
-import signal
 import sys
 from pathlib import Path
 
 import mlflow
 import pytest
 
-from conftest import LoopbackServer, PlanetoidFolder
+from conftest import LoopbackServer, PlanetoidFolder, run_stage_in_process
 from stages import _fetch, download
-from stages._common import StageError, load_params, main
+from stages._common import StageError, load_params
 from stages._tracking import DATA_EXPERIMENT, connect
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,15 +69,7 @@ def test_failed_download_leaves_nothing_and_marks_the_run_failed(
 
 def _main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """The stage as `python -m stages.download` runs it: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["stages.download", *args])
-    previous = signal.getsignal(signal.SIGTERM)  # main() installs its own handler
-    try:
-        main(download.run)
-        code = 0
-    except SystemExit as exit:
-        code = exit.code
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    code = run_stage_in_process(monkeypatch, "stages.download", download.run, *args)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 

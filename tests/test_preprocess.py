@@ -6,7 +6,6 @@ import hashlib
 import json
 import pickle
 import re
-import signal
 import sys
 from pathlib import Path
 
@@ -14,11 +13,11 @@ import mlflow
 import pytest
 import torch
 
-from conftest import PlanetoidFolder
+from conftest import PlanetoidFolder, run_stage_in_process
 from gat import data
 from gat.data import file_names, graph_from_tensors
 from stages import _fetch, preprocess
-from stages._common import StageError, main
+from stages._common import StageError
 from stages._tracking import DATA_EXPERIMENT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,16 +84,8 @@ def test_missing_raw_folder_names_the_stage(workdir: Path, monkeypatch: pytest.M
 
 def _main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     """The stage as `python -m stages.preprocess` runs it: (exit code, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["stages.preprocess", "--dataset", "cora", "--raw", "data/raw/cora",
-                                      "--out", "data/prepared/cora"])
-    previous = signal.getsignal(signal.SIGTERM)  # main() installs its own handler
-    try:
-        main(preprocess.run)
-        code = 0
-    except SystemExit as exit:
-        code = exit.code
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    code = run_stage_in_process(monkeypatch, "stages.preprocess", preprocess.run, "--dataset", "cora",
+                                "--raw", "data/raw/cora", "--out", "data/prepared/cora")
     return code, capsys.readouterr().err
 
 
