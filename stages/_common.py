@@ -191,6 +191,10 @@ def write_json(path: str | Path, payload: Any) -> None:
 
 # How often a stage checks that its parent (dvc, a shell) is still there.
 PARENT_POLL_S = 0.5
+# dvc runs a stage's cmd with `/bin/sh -c` (or $SHELL), and Debian's dash does not exec the command: when
+# dvc dies, the shell lives on as the stage's parent. The watchdog looks through shells to the first
+# process that is not one.
+SHELLS = frozenset({"sh", "dash", "bash", "zsh", "fish", "ksh", "mksh", "busybox"})
 # The last resort when a stop was asked for and the stage still runs (the SystemExit was swallowed by code
 # that catches everything): exit without cleaning up. Cleaning up takes about a second.
 FORCE_EXIT_S = 30.0
@@ -205,11 +209,47 @@ def _say(line: str) -> None:
         pass
 
 
-def _process_name(pid: int) -> str:
+def _comm(pid: int) -> str | None:
     try:
-        return f"{Path(f'/proc/{pid}/comm').read_text().strip()}, pid {pid}"
+        return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
-        return f"pid {pid}"
+        return None
+
+
+def _process_name(pid: int) -> str:
+    comm = _comm(pid)
+    return f"{comm}, pid {pid}" if comm else f"pid {pid}"
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent's pid from /proc/<pid>/stat, or None once `pid` is gone. The command name (field 2) may
+    hold spaces and parentheses, so the fields are counted after its closing parenthesis."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _lineage() -> list[int]:
+    """This process's parent, and its ancestors up to the first that is not a shell (dvc, say)."""
+    chain = [os.getppid()]
+    while _comm(chain[-1]) in SHELLS:
+        grandparent = _parent_of(chain[-1])
+        if grandparent is None or grandparent <= 1:
+            break
+        chain.append(grandparent)
+    return chain
+
+
+def _first_gone(lineage: list[int]) -> int | None:
+    """The first process of `lineage` that is no longer where it was (each one the parent of the one before)."""
+    if os.getppid() != lineage[0]:
+        return lineage[0]
+    for child, parent in zip(lineage, lineage[1:]):
+        if _parent_of(child) != parent:
+            return parent
+    return None
 
 
 class _Interrupts:
@@ -227,8 +267,8 @@ class _Interrupts:
     def __init__(self) -> None:
         import threading
 
-        self.parent = os.getppid()
-        self.parent_name = _process_name(self.parent)
+        self.lineage = _lineage()
+        self.names = {pid: _process_name(pid) for pid in self.lineage}
         self.main_thread = threading.get_ident()  # signal handlers only install from the main thread
         self.reason: str | None = None  # why the watchdog stops the stage, when it does
         self.signum: int | None = None  # the stop asked for, once it is
@@ -278,9 +318,9 @@ class _Interrupts:
                     os._exit(128 + self.signum)
                 if self.pending is None and not self.exiting:
                     signal.pthread_kill(self.main_thread, self.signum)
-            elif not parent_gone and os.getppid() != self.parent:
+            elif not parent_gone and (gone := _first_gone(self.lineage)) is not None:
                 parent_gone = True
-                self.reason = f"the parent process ({self.parent_name}) is gone"
+                self.reason = f"the parent process ({self.names[gone]}) is gone"
                 # To the main thread itself, so that a blocking wait there is interrupted at once.
                 signal.pthread_kill(self.main_thread, signal.SIGTERM)
 

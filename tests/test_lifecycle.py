@@ -271,18 +271,25 @@ def test_a_failed_job_stops_the_others_at_once(tmp_path: Path, cleanup: Cleanup)
     assert len(_lines(out, "started")) >= 2
 
 
-def test_a_stage_stops_when_its_parent_dies(tmp_path: Path, cleanup: Cleanup) -> None:
-    """The parent (dvc, here a shell) killed outright: the orphaned stage notices and stops."""
+@pytest.mark.parametrize("through_sh", [False, True], ids=["direct", "through-sh"])
+def test_a_stage_stops_when_its_parent_dies(tmp_path: Path, cleanup: Cleanup, through_sh: bool) -> None:
+    """The parent (dvc, here bash) killed outright: the orphaned stage notices and stops. Also when a shell
+    that outlives it stands between them, as `/bin/sh -c` does when dvc runs a stage with no $SHELL set
+    (dash does not exec the command; the trailing `:` makes sure of it)."""
     stage = tmp_path / "stage.py"
     stage.write_text(ENDLESS_STAGE)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = f"'{sys.executable}' '{stage}' '{tmp_path / 'out'}'"
+    if through_sh:
+        command = f'/bin/sh -c "{command}; :"'
     with (tmp_path / "stdout.txt").open("w") as stdout, (tmp_path / "stderr.txt").open("w") as stderr:
-        shell = subprocess.Popen(["bash", "-c", f"'{sys.executable}' '{stage}' '{tmp_path / 'out'}' & wait"],
+        shell = subprocess.Popen(["bash", "-c", f"{command} & wait"],
                                  cwd=tmp_path, env=env, stdout=stdout, stderr=stderr)
     try:
         assert _poll(lambda: bool(_lines(tmp_path / "stdout.txt", "running")) or shell.poll() is not None, START_S)
         cleanup.watch(shell.pid)
-        (child,) = _descendants(shell.pid)
+        (child,) = [process for process in _descendants(shell.pid) if str(stage) in process.cmdline()]
+        assert (child.parent().name() == "sh") is through_sh
         shell.send_signal(signal.SIGKILL)
         shell.wait(timeout=STOP_S)
         started = time.monotonic()
