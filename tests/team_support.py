@@ -1,0 +1,184 @@
+"""Team-mode fixtures: the real backend (PostgreSQL, SeaweedFS, `mlflow server`) and a pipeline logging to it.
+
+- `team_backend` (session): `python -m team up --state <tmp>`, exactly what `make team-up` runs, in a state
+  folder of its own; `python -m team down` at the end, which must leave no process and no listener behind.
+  The admin's credentials are in this process's environment while it lives, for MlflowClient.
+- `team_pipeline` (session): the tiny pipeline run by `make repro`'s two commands against that server, with
+  the copy's DVC remote on the backend's S3 bucket. Tests only read it, or copy it (`copy_to`).
+- `seaweedfs_stopped` (function): the object store stopped for one test, started again afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+import pytest
+
+from pipeline_support import REPO, TINY, VENV_BIN, Pipeline, clean_env, copy_project
+from stages._tracking import REPRODUCE_EXPERIMENT
+from team.backend import Settings, State, s3_client
+
+
+@dataclass
+class TeamBackend:
+    state: State
+    settings: Settings
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        """What `source .team/env` sets."""
+        return self.settings.client_env()
+
+    @property
+    def mlflow_env(self) -> dict[str, str]:
+        """Only what an MLflow client needs: the server and the account, no S3 credentials."""
+        return {key: value for key, value in self.client_env.items() if key.startswith("MLFLOW_")}
+
+    def s3(self):
+        return s3_client(self.settings.s3_endpoint, self.settings.s3_access_key, self.settings.s3_secret_key)
+
+    def objects(self, bucket: str) -> list[str]:
+        keys: list[str] = []
+        for page in self.s3().get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            keys += [item["Key"] for item in page.get("Contents", [])]
+        return keys
+
+    def team(self, *args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+        """`python -m team <args> --state <this backend's folder>`."""
+        return subprocess.run([str(VENV_BIN / "python"), "-m", "team", *args, "--state", str(self.state.root)],
+                              cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+
+    def pids(self) -> dict[str, int | None]:
+        from team.backend import running
+
+        return running(self.state)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="session")
+def team_backend() -> Iterator[TeamBackend]:
+    # Not under pytest's tmp_path (mode 0700): as root, PostgreSQL runs as another user, who must reach it.
+    root = Path(tempfile.mkdtemp(prefix="gat-team-"))
+    root.chmod(0o755)
+    state = State(root)
+    backend = None
+    try:
+        started = subprocess.run([str(VENV_BIN / "python"), "-m", "team", "up", "--state", str(root),
+                                  "--no-dvc-remote"], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                                 timeout=400)
+        assert started.returncode == 0, f"team up failed:\n{started.stdout}\n{started.stderr}"
+        settings = state.load()
+        assert settings is not None
+        backend = TeamBackend(state, settings)
+        saved = {key: os.environ.get(key) for key in backend.mlflow_env}
+        os.environ.update({k: v for k, v in backend.mlflow_env.items() if k != "MLFLOW_TRACKING_URI"})
+        try:
+            yield backend
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    finally:
+        from team.backend import running
+
+        pids = {name: pid for name, pid in running(state).items() if pid}
+        groups = [proc for pid in pids.values() for proc in _family(pid)]
+        stopped = subprocess.run([str(VENV_BIN / "python"), "-m", "team", "down", "--state", str(root)], cwd=REPO,
+                                 env=clean_env(), capture_output=True, text=True, timeout=120)
+        leftovers = [proc for proc in groups if _alive(proc)]
+        for proc in leftovers:
+            proc.kill()
+        ports = backend.settings.ports.values() if backend else []
+        still_listening = [port for port in ports if _listening(port)]
+        shutil.rmtree(root, ignore_errors=True)
+        assert stopped.returncode == 0, stopped.stderr
+        assert not leftovers, f"team down left processes running: {[p.cmdline() for p in leftovers]}"
+        assert not still_listening, f"team down left ports listening: {still_listening}"
+
+
+def _family(pid: int) -> list[psutil.Process]:
+    try:
+        process = psutil.Process(pid)
+        return [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.fixture(scope="session")
+def team_pipeline(tmp_path_factory: pytest.TempPathFactory, planetoid_folder, planetoid_server: str,
+                  team_backend: TeamBackend) -> Pipeline:
+    root = tmp_path_factory.mktemp("gat-repro-team")
+    copy_project(root, planetoid_folder)
+    pipeline = Pipeline(root, clean_env() | {"GAT_DATA_MIRROR": planetoid_server} | team_backend.mlflow_env)
+    pipeline.set_params(**TINY)
+    pipeline.run("git", "init", "-q", "-b", "main")
+    pipeline.commit("copy of the project under test")
+    # `make repro`'s two commands, with `.team/env` sourced.
+    pipeline.python("-m", "stages.init_store")
+    pipeline.first = pipeline.dvc("repro")
+    pipeline.commit("first repro")
+    # The reproduce runs it made (tests that run later add their own).
+    pipeline.reproduce_runs = {run.info.run_id for run in server_runs(team_backend, REPRODUCE_EXPERIMENT)}
+    # `make team-remote`: the copy's DVC remote is the backend's bucket, in .dvc/config.local.
+    with_team_remote(pipeline, team_backend)
+    return pipeline
+
+
+def with_team_remote(pipeline: Pipeline, backend: TeamBackend) -> None:
+    """`source .team/env && make team-remote` in another clone."""
+    subprocess.run([str(VENV_BIN / "python"), "-m", "team", "remote", "--repo", str(pipeline.root)], cwd=REPO,
+                   env=clean_env() | backend.client_env, check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def seaweedfs_stopped(team_backend: TeamBackend) -> Iterator[None]:
+    from team.backend import stop_server
+
+    assert stop_server(team_backend.state, "seaweedfs")
+    try:
+        yield
+    finally:
+        started = team_backend.team("up", "--no-dvc-remote")
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert all(team_backend.pids().values()), started.stdout
+
+
+def server_runs(backend: TeamBackend, experiment: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(backend.settings.tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    return client.search_runs([found.experiment_id], order_by=["start_time ASC"], max_results=5000)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+__all__ = ["TeamBackend", "seaweedfs_stopped", "server_runs", "team_backend", "team_pipeline",
+           "with_team_remote", "read_json"]
