@@ -80,8 +80,9 @@ def is_server(uri: str) -> bool:
 
 # MLflow's HTTP client retries a failed request 7 times with a growing backoff: minutes before a stage learns
 # that the server is down. These defaults (the user's own settings win) fail within about 30 s.
+# MLflow also prints two "View run at <url>" lines per run against a server: 200 for reproduce's children.
 SERVER_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 # What talking to a tracking server can raise: MLflow's own errors, and requests' once its retries are spent.
 SERVER_ERRORS = (MlflowException, requests.RequestException)
 

@@ -472,7 +472,10 @@ def _start_mlflow(state: State, settings: Settings) -> None:
         f"database_uri = {settings.database_uri('mlflow_auth')}\n"
         f"admin_username = {ADMIN_USER}\n"
         "# The admin's password comes from MLFLOW_AUTH_ADMIN_PASSWORD (settings.json), not from this file.\n"
-        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        "# Checking a password (PBKDF2) costs about as much as the request: each worker remembers a good one\n"
+        "# for a minute, so a password change or a deleted user takes up to 60 s to reach every worker.\n"
+        "auth_cache_ttl_seconds = 60\n")
     env["MLFLOW_AUTH_CONFIG_PATH"] = str(state.auth_config)
     port = settings.ports["mlflow"]
     process = _spawn(state, "mlflow", [
