@@ -304,3 +304,12 @@ def test_the_env_file_is_what_a_client_needs(team_backend: TeamBackend) -> None:
     assert answer.status_code == 200
     assert requests.get(f"{values['MLFLOW_TRACKING_URI']}/api/2.0/mlflow/experiments/search",
                         params={"max_results": 1}, timeout=30).status_code == 401
+
+
+def test_make_ui_with_the_settings_sourced_prints_the_servers_pages(team_backend: TeamBackend) -> None:
+    done = subprocess.run(["make", "-s", "ui"], cwd=REPO, env=clean_env() | team_backend.mlflow_env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    uri = team_backend.settings.tracking_uri
+    assert f"MLflow store ready: {uri}" in done.stdout
+    assert f"{uri}/#/experiments/" in done.stdout and "workflowType=machine_learning" in done.stdout
