@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DVC_NO_ANALYTICS := 1
 PIP_INSTALL := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: repro test lint ui bench bench-team constraints clean team-up team-down team-status team-remote system-deps
+.PHONY: repro test lint ui bench bench-team bench-scale compare constraints clean team-up team-down team-status team-remote system-deps
 
 $(VENV)/.runtime: requirements.txt constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -83,6 +83,14 @@ bench: $(VENV)/.dev $(VENV)/.fused
 ## bench-team: the time to log reproduce@cora's 100 child runs, SQLite against a team server (started for it)
 bench-team: $(VENV)/.dev
 	$(RUN) $(BIN)/python -m benchmarks.child_runs --out reports/benchmark-team.json
+
+## compare: one table and plot of every reproduced configuration (dvc exp sweeps), from MLflow
+compare: $(VENV)/.runtime
+	$(RUN) $(BIN)/python -m stages.compare --markdown reports/compare.md --plot reports/compare.png
+
+## bench-scale: reproduce@cora's 100 seeds on the local executor and on Dask LocalClusters of 2 and 1 workers
+bench-scale: $(VENV)/.dev
+	$(RUN) $(BIN)/python -m benchmarks.scale --seeds 100 --out reports/scale.json
 
 ## constraints: re-pin every transitive package after changing requirements*.txt
 constraints: $(VENV)/.dev

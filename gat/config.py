@@ -178,13 +178,16 @@ class TrainParams:
 @dataclass(frozen=True)
 class ReproduceParams:
     """`seeds` independent runs per dataset, `seeds_per_batch` per batched model, on `workers` processes
-    (0: one per core). `protocol` holds each dataset's setup, as the paper runs it.
+    (0: one per core) of the `executor`: `local` processes, or `dask`, a Dask cluster (the one that
+    DASK_SCHEDULER_ADDRESS names, else a LocalCluster of `workers` processes). `protocol` holds each
+    dataset's setup, as the paper runs it. Only `seeds`, `first_seed` and `protocol` change a result.
     """
 
     seeds: int
     first_seed: int
     seeds_per_batch: int
     workers: int
+    executor: Literal["local", "dask"]
     device: Literal["auto", "cpu", "cuda"]
     protocol: dict[str, Setup]
 

@@ -26,6 +26,7 @@ from stages._common import fail, repo_root
 TRAIN_EXPERIMENT = "gat-repro"
 DATA_EXPERIMENT = "gat-repro-data"
 REPRODUCE_EXPERIMENT = "gat-repro-reproduce"
+COMPARE_EXPERIMENT = "gat-repro-compare"
 
 # What each experiment holds: its description in the UI (the `mlflow.note.content` tag).
 DESCRIPTIONS = {
@@ -34,6 +35,9 @@ DESCRIPTIONS = {
                       "checkpoint, per-epoch curves (epoch_*), the confusion matrix and curves as PNGs, and the "
                       "model. The best configuration on val_acc is registered as gat-<dataset>@champion.",
     DATA_EXPERIMENT: "One run per download or preprocess of a dataset: its source, checksums, sizes and split.",
+    COMPARE_EXPERIMENT: "One run per `python -m stages.compare` (`make compare`): every reproduced configuration's "
+                        "mean test accuracy with its 95% CI, per dataset, as a table (compare.md) and a plot "
+                        "(compare.png), read from the gat-repro-reproduce parents.",
     REPRODUCE_EXPERIMENT: "The paper's table: one parent run per dataset and reproduction config, with the mean, "
                           "std and 95% CI of test accuracy over the seeds and the report; one child run per seed.",
 }
@@ -53,6 +57,8 @@ VIEWS = {
         *(f"metrics.`{m}`" for m in ("test_acc_mean", "test_acc_std", "test_acc_ci_low", "test_acc_ci_high",
                                      "val_acc_mean", "epochs_mean", "test_acc", "val_acc", "epochs")),
         "params.`reproduce.seeds`", "tags.`dataset`", "tags.`dvc_exp_name`"]},
+    COMPARE_EXPERIMENT: {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": [
+        "metrics.`configurations`", "metrics.`runs`", "params.`varied`", "params.`dvc_experiments`"]},
     DATA_EXPERIMENT: {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": [
         *(f"metrics.`{m}`" for m in ("num_nodes", "num_edges", "num_features", "total_bytes", "seconds")),
         "params.`source`", "tags.`dataset`"]},
@@ -314,13 +320,15 @@ class EpochLogger:
         self.flush()
 
 
-def log_child_runs(parent_run_id: str, experiment_id: str, dataset: str, rows: Sequence[Mapping[str, float]],
-                   timings: Mapping[int, tuple[float, float]], tags: Mapping[str, str]) -> None:
+def log_child_runs(parent_run_id: str, experiment_id: str, dataset: str,
+                   rows: Sequence[Mapping[str, float | int | str]], timings: Mapping[int, tuple[float, float]],
+                   tags: Mapping[str, str], seed_tags: Mapping[int, Mapping[str, str]] | None = None) -> None:
     """One finished child run per seed under the parent, with that seed's final metrics.
 
-    `timings` maps a seed to the wall-clock (start, end) of its training, in seconds since the epoch, so the
-    UI shows each seed's real duration. Written with the client directly: a few calls per seed keep 100
-    children to seconds.
+    A row's numbers are metrics and its text (the weights' SHA-256) tags. `timings` maps a seed to the
+    wall-clock (start, end) of its training, in seconds since the epoch, so the UI shows each seed's real
+    duration. `seed_tags` adds tags per seed: where it ran (the worker's host, torch and CPU facts). Written
+    with the client directly: a few calls per seed keep 100 children to seconds.
     """
     from mlflow.entities import Metric, Param, RunTag
 
@@ -330,9 +338,12 @@ def log_child_runs(parent_run_id: str, experiment_id: str, dataset: str, rows: S
         start_ms, end_ms = (int(1000 * t) for t in timings[seed])
         child = client.create_run(experiment_id, start_time=start_ms, run_name=f"{dataset}-seed-{seed}",
                                   tags={**tags, "mlflow.parentRunId": parent_run_id})
+        texts = {k: v for k, v in row.items() if isinstance(v, str)}
         client.log_batch(child.info.run_id, params=[Param("seed", str(seed))],
-                         metrics=[Metric(k, float(v), end_ms, 0) for k, v in row.items() if k != "seed"],
-                         tags=[RunTag("seed", str(seed))])
+                         metrics=[Metric(k, float(v), end_ms, 0) for k, v in row.items()
+                                  if k != "seed" and not isinstance(v, str)],
+                         tags=[RunTag(k, str(v)) for k, v in
+                               {"seed": str(seed), **texts, **(seed_tags or {}).get(seed, {})}.items()])
         client.set_terminated(child.info.run_id, "FINISHED", end_time=end_ms)
 
 

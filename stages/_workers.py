@@ -3,6 +3,8 @@
     with worker_pool(2) as pool:
         for result in pool.map(function, jobs_a, jobs_b):   # in order, each as soon as it is ready
             ...
+        for index, result in pool.as_completed(function, shared, jobs):   # as each job finishes
+            ...
 
 - On any exception in the block (a failed job, SystemExit from stages._common's SIGTERM/SIGINT
   handler, KeyboardInterrupt), pending jobs are cancelled and the workers are killed at once
@@ -34,7 +36,7 @@ import sys
 import threading
 import time
 from types import TracebackType
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 # <linux/prctl.h>
 _PR_SET_PDEATHSIG = 1
@@ -86,6 +88,7 @@ class WorkerPool:
 
     def __init__(self, workers: int) -> None:
         self._owner = threading.get_ident()
+        self.size = workers
         self._others = set(multiprocessing.active_children())  # children that are not this pool's
         self._executor = concurrent.futures.ProcessPoolExecutor(
             workers, mp_context=multiprocessing.get_context("spawn"),
@@ -113,6 +116,24 @@ class WorkerPool:
                 yield future.result()
 
         return results()
+
+    def as_completed(self, function: Callable[..., Any], shared: Any,
+                     jobs: Sequence[tuple[Any, ...]]) -> Iterator[tuple[int, Any]]:
+        """`function(shared, *job)` for each job, in a worker; (the job's index, its result) as each is done.
+
+        The interface of stages._dask.DaskPool.as_completed, which ships `shared` to each worker once; here it
+        travels with every job. A job that raises raises here as soon as it fails.
+        """
+        if threading.get_ident() != self._owner:
+            raise RuntimeError("a WorkerPool is used by the thread that created it (its workers die with it)")
+        futures = {self._executor.submit(function, shared, *job): index for index, job in enumerate(jobs)}
+        pending = set(futures)
+        while pending:
+            # A bounded wait, so that a signal delivered to another thread reaches the main thread's handler.
+            done, pending = concurrent.futures.wait(pending, timeout=_POLL_S,
+                                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            for finished in sorted(done, key=futures.__getitem__):
+                yield futures[finished], finished.result()  # raises the job's exception
 
     def workers(self) -> list[multiprocessing.process.BaseProcess]:
         """This pool's live worker processes: the children started since the pool was made."""

@@ -10,14 +10,16 @@ fails; `make repro` and `make ui` run this first so the store always exists. Wit
 import argparse
 
 from stages._common import main
-from stages._tracking import DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT, connect, tracking_uri, ui_url
+from stages._tracking import (COMPARE_EXPERIMENT, DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT, connect,
+                              tracking_uri, ui_url)
 
 
 def run() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ui-base", help="the MLflow UI's address, to print each experiment's page")
     args = parser.parse_args()
-    ids = {name: connect(name) for name in (TRAIN_EXPERIMENT, REPRODUCE_EXPERIMENT, DATA_EXPERIMENT)}
+    experiments = (TRAIN_EXPERIMENT, REPRODUCE_EXPERIMENT, DATA_EXPERIMENT, COMPARE_EXPERIMENT)
+    ids = {name: connect(name) for name in experiments}
     print(f"MLflow store ready: {tracking_uri()}")
     if args.ui_base:
         for name, experiment_id in ids.items():

@@ -2,9 +2,14 @@
 
     python -m stages.reproduce --dataset cora --data data/prepared/cora --out data/reproduce/cora
 
-Writes `seeds.csv` (one row per seed), `histogram.csv` (per-seed test accuracy, for `dvc plots`)
-and `summary.json` (mean, std, range, 95% CI, epochs; read by stages.report). MLflow gets one
-parent run with the summary, the report section and the histogram, and one child run per seed.
+Writes `seeds.csv` (one row per seed, with the SHA-256 of its restored weights), `histogram.csv`
+(per-seed test accuracy, for `dvc plots`) and `summary.json` (mean, std, range, 95% CI, epochs; read by
+stages.report). MLflow gets one parent run with the summary, the report section and the histogram, and
+one child run per seed, tagged with where it ran.
+
+The batches of seeds run on `reproduce.executor`: `local` worker processes (stages._workers) or a Dask
+cluster (stages._dask). Either way a batch is one pure task (stages._seeds.train_seeds) and only this
+process logs, once every batch is in: the outputs are byte-identical whichever way, and wherever, it ran.
 """
 
 from __future__ import annotations
@@ -12,45 +17,62 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 import mlflow
 import torch
 from tqdm import tqdm
 
 from gat.config import Setup, flatten
-from gat.data import graph_from_tensors, graph_to_tensors
+from gat.data import graph_to_tensors
 from gat.reproduction import PAPER, histogram, summarise
-from gat.training import EpochMetrics, GraphTensors, evaluate, train
 from stages._common import (device_for, fail, load_params, load_prepared, main, outputs_together, write_csv,
                             write_json)
-from stages._tracking import NOTE, REPRODUCE_EXPERIMENT, describe_run, log_child_runs, stage_run, standard_tags
 from stages._report import dataset_section, histogram_figure
-from stages._workers import worker_pool
+from stages._seeds import BatchResult, code_sha256, train_seeds
+from stages._tracking import NOTE, REPRODUCE_EXPERIMENT, describe_run, log_child_runs, stage_run, standard_tags
+from stages._workers import WorkerPool, worker_pool
+
+if TYPE_CHECKING:
+    from stages._dask import DaskPool
 
 
-def _train_seeds(graph_tensors, setup: Setup, seeds, device) -> tuple[list[dict], dict[int, tuple[float, float]]]:
-    """One batch of seeds, in a worker process: train, restore, evaluate.
+def _pool(executor: str, workers: int, device: torch.device) -> "WorkerPool | DaskPool":
+    """The executor's pool of workers; `workers` 0 is one per core. One GPU serves one process."""
+    if device.type == "cuda":
+        workers = 1
+    if executor == "dask":
+        from stages._dask import dask_pool  # Dask is imported only when it is asked for
 
-    Returns the per-seed rows and each seed's wall-clock (start, end) of training, kept apart from the rows
-    so that seeds.csv holds only what the params determine.
-    """
-    torch.set_num_threads(1)  # one process per core (see stages._common.main)
-    tensors = GraphTensors.from_graph(graph_from_tensors(graph_tensors), device)
-    started = time.time()
-    last_epoch_at = {seed: started for seed in seeds}
+        return dask_pool(workers)
+    return worker_pool(workers or os.cpu_count() or 1)
 
-    def on_epoch(m: EpochMetrics) -> None:
-        now = time.time()
-        last_epoch_at.update((seed, now) for seed in m.seeds)
 
-    result = train(tensors, setup.model, setup.optim, seeds, on_epoch)
-    scores = evaluate(result.model, tensors)
-    rows = [{"seed": seed, "test_acc": float(scores.test_acc[r]), "val_acc": float(scores.val_acc[r]),
-             "epochs": int(result.epochs[r]), "best_epoch": int(result.best_epoch[r])}
-            for r, seed in enumerate(result.seeds)]
-    return rows, {seed: (started, last_epoch_at[seed]) for seed in result.seeds}
+def _gather(pool: "WorkerPool | DaskPool", graph_tensors: dict, setup: Setup, batches: Sequence[list[int]],
+            device: torch.device, bar: tqdm) -> list[BatchResult]:
+    """Every batch's result, in the order of the batches, whatever order they finished in."""
+    results: dict[int, BatchResult] = {}
+    for index, result in pool.as_completed(train_seeds, graph_tensors, [(setup, batch, device) for batch in batches]):
+        if index not in results:  # each batch once, even if a pool ever handed one back twice
+            results[index] = result
+            bar.update(len(result.rows))
+    return [results[index] for index in range(len(batches))]
+
+
+def _check_same_code(results: Sequence[BatchResult] | dict[str, str]) -> None:
+    """Fail when a worker ran other training code than this process has (a Dask worker of another checkout)."""
+    here = code_sha256()
+    found = (results.items() if isinstance(results, dict) else
+             ((r.worker.get("worker_address") or f"{r.worker['worker_host']} pid {r.worker['worker_pid']}",
+               r.worker["code_sha256"]) for r in results))
+    stale = sorted({worker for worker, digest in found if digest != here})
+    if stale:
+        fail(f"the worker(s) {', '.join(stale)} ran other code than this stage started with (gat/ or "
+             "stages/_seeds.py differ, or were edited during the run): rerun it; Dask workers must run this "
+             "checkout, with the same pinned requirements (see the README's multi-host section).")
 
 
 def run() -> None:
@@ -67,8 +89,7 @@ def run() -> None:
     setup = settings.protocol[args.dataset]
     device = device_for(settings.device, "reproduce.device")
     graph, meta = load_prepared(args.data, args.dataset)
-    # One GPU serves one process; on CPU, one single-threaded process per core.
-    workers = 1 if device.type == "cuda" else (settings.workers or os.cpu_count() or 1)
+    code_sha256()  # the training code as this run starts, which every worker must run too (_check_same_code)
     seeds = list(range(settings.first_seed, settings.first_seed + settings.seeds))
     batches = [seeds[i:i + settings.seeds_per_batch] for i in range(0, len(seeds), settings.seeds_per_batch)]
 
@@ -76,23 +97,35 @@ def run() -> None:
     logged = {**flatten({k: v for k, v in vars(settings).items() if k != "protocol"}, "reproduce"),
               **flatten(setup, f"reproduce.protocol.{args.dataset}")}
     tags = standard_tags(args.dataset, meta["source_sha256"])
-    parent_tags = {**tags, "workers_resolved": str(workers), NOTE: describe_run(
+    parent_tags = {**tags, "executor": settings.executor, NOTE: describe_run(
         f"{len(seeds)} independent seeds of GAT on {args.dataset} (seeds {seeds[0]} to {seeds[-1]}), the paper's "
         "protocol: the metrics are the mean, std, range and 95% CI over the seeds; one child run per seed.", logged)}
     with stage_run(REPRODUCE_EXPERIMENT, f"{args.dataset}-{len(seeds)}-seeds", parent_tags) as parent:
         mlflow.log_params(logged)
-        rows: list[dict] = []
-        timings: dict[int, tuple[float, float]] = {}
-        # Workers die with the stage, and are killed at once on SIGTERM, Ctrl-C or an error (stages._workers).
-        with worker_pool(workers) as pool, \
+        # Local workers die with the stage and are killed at once on SIGTERM, Ctrl-C or an error (stages._workers);
+        # Dask tasks are cancelled then, and stop within an epoch (stages._dask). Inside the run: a scheduler
+        # that can't be reached ends it FAILED.
+        with _pool(settings.executor, settings.workers, device) as pool, \
                 tqdm(total=len(seeds), desc=f"reproduce {args.dataset}", unit="seed", disable=None) as bar:
+            run_tags = {"workers_resolved": str(pool.size)}
+            if not isinstance(pool, WorkerPool):
+                tqdm.write(f"reproduce {args.dataset}: on {pool.describe()}", file=sys.stderr)  # above the bar
+                _check_same_code(pool.run_on_workers(code_sha256))
+                run_tags["dask_scheduler"] = pool.address
+            mlflow.set_tags(run_tags)
             # Plain tensors travel to the workers; torch's pickling of sparse ones warns on every batch.
-            plain = graph_to_tensors(graph)
-            jobs = [(plain, setup, batch, device) for batch in batches]
-            for batch_rows, batch_timings in pool.map(_train_seeds, *zip(*jobs)):
-                rows += batch_rows
-                timings |= batch_timings
-                bar.update(len(batch_rows))
+            results = _gather(pool, graph_to_tensors(graph), setup, batches, device, bar)
+        _check_same_code(results)
+        rows = [row for result in results for row in result.rows]
+        if [row["seed"] for row in rows] != seeds:
+            fail(f"the workers returned seeds {[row['seed'] for row in rows]}, not {seeds}: a bug, please report it.")
+        # Each seed's training time, inside the parent's (a worker's clock on another host may be off a little).
+        start_s, now = parent.info.start_time / 1000, time.time()
+        timings = {seed: (min(max(start, start_s), now), min(max(end, start_s), now))
+                   for result in results for seed, (start, end) in result.timings.items()}
+        where = {int(row["seed"]): result.worker for result in results for row in result.rows}
+        mlflow.set_tags({"worker_hosts": ",".join(sorted({facts["worker_host"] for facts in where.values()})),
+                         "training_kernels": ",".join(sorted({facts["training_kernel"] for facts in where.values()}))})
 
         summary = {"dataset": args.dataset, "seeds": len(rows),
                    "test": vars(summarise([r["test_acc"] for r in rows])),
@@ -108,7 +141,7 @@ def run() -> None:
                            | {"epochs_mean": summary["epochs"]["mean"], "seeds": len(rows)})
         mlflow.log_text(dataset_section(summary), "report.md")
         mlflow.log_figure(histogram_figure(rows, counts, summary), "test_acc_histogram.png")
-        log_child_runs(parent.info.run_id, parent.info.experiment_id, args.dataset, rows, timings, tags)
+        log_child_runs(parent.info.run_id, parent.info.experiment_id, args.dataset, rows, timings, tags, where)
         with outputs_together():
             write_csv(args.out / "seeds.csv", rows)
             write_csv(args.out / "histogram.csv", bins)

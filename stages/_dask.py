@@ -1,0 +1,235 @@
+"""The reproduce stage's Dask executor: batches of seeds as tasks on a Dask cluster.
+
+    with dask_pool(workers=0) as pool:           # DASK_SCHEDULER_ADDRESS, else a LocalCluster
+        for index, result in pool.as_completed(train_seeds, graph_tensors, jobs):
+            ...                                  # `train_seeds(graph_tensors, *job)`, as each task finishes
+
+The same interface as stages._workers.WorkerPool.as_completed, the `local` executor.
+
+- **Which cluster.** Dask's own setting names the scheduler: the environment variable
+  `DASK_SCHEDULER_ADDRESS` (Dask's config key `scheduler-address`). Without it, a `LocalCluster` on
+  127.0.0.1 with `workers` single-threaded worker processes (0: one per core), whose dashboard is at
+  http://127.0.0.1:8787/status (`GAT_DASK_DASHBOARD` sets another address, `off` turns it off).
+- **An unreachable scheduler** is a one-line error naming the address after CONNECT_S seconds, and a
+  scheduler without workers one after WORKERS_S.
+- **The graph travels once** to each worker: it is the result of one task that the batches depend on, so a
+  worker fetches it from a peer for its first batch and keeps it. Not `scatter`: scattered data can't be
+  recomputed, and a worker that dies with the last replica would take every batch still to run with it.
+- **Stopping.** On any exception in the block (SIGTERM, Ctrl-C, a failed task), the tasks are cancelled.
+  A running task is in a thread that Dask can't kill, so the task polls, once per epoch, whether the
+  scheduler still wants it (its state on the worker turns `cancelled` when the stage cancels it or its
+  client goes away, the stage killed outright included) and stops itself (stages._seeds.Abandoned).
+- **A worker that dies** (SIGKILL, out of memory) is Dask's business: the scheduler runs its tasks again
+  elsewhere. A task is pure and the stage process alone logs, so a rerun changes nothing but the time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import uuid
+import warnings
+from types import TracebackType
+from typing import Any, Callable, Iterator, Sequence
+
+import dask
+import distributed
+from distributed import Client, LocalCluster
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from stages._common import fail
+
+# How long a scheduler may take to answer before the stage gives up with an error that names it.
+CONNECT_S = 10.0
+# How long to wait for a scheduler's first worker.
+WORKERS_S = 60.0
+# Where a LocalCluster serves its dashboard; the environment variable sets another address, or `off`.
+DASHBOARD_ENV = "GAT_DASK_DASHBOARD"
+DEFAULT_DASHBOARD = "127.0.0.1:8787"
+# How long to wait for a LocalCluster's workers to close; they hold nothing worth saving.
+CLOSE_S = 10.0
+
+
+def scheduler_address() -> tuple[str, str] | None:
+    """(the scheduler's address, where it was set), or None for a LocalCluster."""
+    address = dask.config.get("scheduler-address", None)
+    if not address:
+        return None
+    where = "DASK_SCHEDULER_ADDRESS" if os.environ.get("DASK_SCHEDULER_ADDRESS") else "Dask's `scheduler-address`"
+    return str(address), where
+
+
+def _still_wanted() -> Callable[[], bool]:
+    """In a task: a function that says whether this task has been cancelled (its key released on the worker)."""
+    worker = distributed.get_worker()
+    key = worker.get_current_task()
+
+    def cancelled() -> bool:
+        task = worker.state.tasks.get(key)  # read from the task's thread; the event loop's thread writes it
+        return task is None or task.state == "cancelled"
+
+    return cancelled
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def run_task(function: Callable[..., Any], shared: Any, *job: Any) -> Any:
+    """What a Dask worker runs: `function(shared, *job, should_stop=...)`."""
+    return function(shared, *job, should_stop=_still_wanted())
+
+
+class IgnoreCtrlC(WorkerPlugin):
+    """A LocalCluster's worker processes are in the terminal's process group: Ctrl-C reaches them too. The
+    stage, not each worker, decides what happens (it cancels the tasks and closes the cluster), so the
+    workers ignore it, as stages._workers' do. `setup` runs in the worker process's main thread."""
+
+    name = "gat-ignore-ctrl-c"
+
+    def setup(self, worker: distributed.Worker) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class DaskPool:
+    """A Dask client, and the LocalCluster it started (None when it connected to a scheduler)."""
+
+    def __init__(self, client: Client, cluster: LocalCluster | None, address: str,
+                 dashboard: str | None = None) -> None:
+        self.client, self.cluster, self.address, self.dashboard = client, cluster, address, dashboard
+        self._futures: list[distributed.Future] = []
+
+    @property
+    def size(self) -> int:
+        """The workers the scheduler knows of now."""
+        return len(self.client.scheduler_info(n_workers=-1)["workers"])
+
+    def describe(self) -> str:
+        where = (f"a LocalCluster of {self.size} single-threaded workers" if self.cluster is not None
+                 else f"the Dask scheduler at {self.address} ({self.size} workers now)")
+        return where + (f", dashboard {self.dashboard}" if self.dashboard else "")
+
+    def run_on_workers(self, function: Callable[[], Any]) -> dict[str, Any]:
+        """`function()` on every worker now, by address; an import error there is a one-line error here."""
+        try:
+            return self.client.run(function)
+        except (ImportError, AttributeError) as error:
+            fail(f"the Dask workers of {self.address} cannot run the project's code ({type(error).__name__}: "
+                 f"{error}): start them from the repository root of the same checkout, with "
+                 "`PYTHONPATH=$PWD dask worker ...` (see the README's multi-host section).")
+
+    def as_completed(self, function: Callable[..., Any], shared: Any,
+                     jobs: Sequence[tuple[Any, ...]]) -> Iterator[tuple[int, Any]]:
+        """`function(shared, *job, should_stop=...)` for each job as a task; (its index, its result) as each
+        finishes. `shared` is sent to every worker once."""
+        run = uuid.uuid4().hex[:8]
+        # The graph is a task of its own that returns it, not scattered data: a worker fetches it from a peer
+        # once, for its first batch, and keeps it while batches wait for it. Scattered data can't be recomputed:
+        # once the Active Memory Manager has trimmed the replicas (near the end of a run), the death of the
+        # worker holding the last one would cancel every batch still to run.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Sending large graph")  # Pubmed's is 12 MB: sent once
+            graph = self.client.submit(_identity, shared, key=f"graph-{run}", pure=False)
+        # One named key per batch: `train_seeds-<run>-<batch>` reads well on the dashboard, and is never
+        # shared with another stage's tasks.
+        futures = {self.client.submit(run_task, function, graph, *job, key=f"train_seeds-{run}-{index}",
+                                      pure=False): index for index, job in enumerate(jobs)}
+        self._futures = [graph, *futures]
+        for future in distributed.as_completed(futures, loop=self.client.loop):
+            try:
+                result = future.result()
+            except distributed.KilledWorker as error:
+                fail(f"Dask gave up on a batch of seeds: the workers running it died again and again ({error}). "
+                     "Look at the workers' logs (out of memory?).")
+            future.release()
+            yield futures[future], result
+
+    def cancel(self) -> None:
+        """Cancel this pool's tasks: queued ones never start, running ones stop at their next epoch."""
+        if self._futures:
+            with contextlib.suppress(Exception):  # the scheduler may be gone already
+                self.client.cancel(self._futures, reason="the reproduce stage stopped")
+            self._futures = []
+
+    def kill_local_workers(self) -> None:
+        """SIGKILL a LocalCluster's worker processes (a batch in the middle of training has nothing to save),
+        rather than wait seconds for them to close; their nannies, told first, don't restart them."""
+        nannies = list(self.cluster.workers.values()) if self.cluster is not None else []
+        for nanny in nannies:
+            with contextlib.suppress(Exception):
+                nanny.close_gracefully(reason="the reproduce stage stopped")
+        for nanny in nannies:
+            with contextlib.suppress(Exception):
+                os.kill(nanny.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close(timeout=CLOSE_S)
+        if self.cluster is not None:
+            with contextlib.suppress(Exception):
+                self.cluster.close(timeout=CLOSE_S)
+
+    def __enter__(self) -> "DaskPool":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        if kind is not None:
+            self.cancel()
+            self.kill_local_workers()
+        self.close()
+
+
+async def _handshake(address: str) -> None:
+    """Open one connection to the scheduler, Dask's handshake included, and close it."""
+    from distributed.comm import connect
+    from distributed.security import Security
+
+    comm = await connect(address, timeout=CONNECT_S, **Security().get_connection_args("client"))
+    await comm.close()
+
+
+def _connect(address: str, where: str) -> Client:
+    # A Client whose constructor fails leaves a half-started object whose finalizer waits 20 s more and prints
+    # a traceback at exit: try the address with a bare connection first.
+    try:
+        asyncio.run(_handshake(address))
+    except Exception as error:  # refused, no route, no such host, no answer in time, not a Dask scheduler
+        reason = (" ".join(str(error).split()) or "no answer")[:200]
+        fail(f"cannot reach the Dask scheduler at {address} (from {where}) within {CONNECT_S:.0f} s "
+             f"({type(error).__name__}: {reason}). Start it (`dask scheduler`), fix the address, or unset it to "
+             "run on a local cluster.")
+    client = Client(address, timeout=CONNECT_S, set_as_default=False)
+    try:
+        client.wait_for_workers(1, timeout=WORKERS_S)
+    except (OSError, TimeoutError):
+        client.close()
+        fail(f"the Dask scheduler at {address} (from {where}) has no workers after {WORKERS_S:.0f} s: start some "
+             f"with `dask worker {address} --nthreads 1` (see the README's multi-host section).")
+    return client
+
+
+def _local_cluster(workers: int) -> DaskPool:
+    dashboard: str | None = os.environ.get(DASHBOARD_ENV, DEFAULT_DASHBOARD).strip()
+    if dashboard is not None and dashboard.lower() in ("", "off", "none"):
+        dashboard = None
+    # Without a dashboard the scheduler still serves /health and /metrics over HTTP, by default on 8787: on a
+    # free loopback port then, so that several stages' clusters never compete for one.
+    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                           dashboard_address=dashboard, silence_logs=logging.ERROR,
+                           scheduler_kwargs=None if dashboard else {"dashboard_address": "127.0.0.1:0"})
+    client = Client(cluster, set_as_default=False)
+    client.register_plugin(IgnoreCtrlC())
+    return DaskPool(client, cluster, cluster.scheduler_address, cluster.dashboard_link if dashboard else None)
+
+
+def dask_pool(workers: int) -> DaskPool:
+    """Connect to the configured scheduler, else start a LocalCluster of `workers` processes (0: one per core)."""
+    configured = scheduler_address()
+    if configured is not None:
+        address, where = configured
+        return DaskPool(_connect(address, where), None, address)
+    return _local_cluster(workers or os.cpu_count() or 1)
