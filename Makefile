@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DVC_NO_ANALYTICS := 1
 PIP_INSTALL := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: repro test lint ui bench bench-team bench-scale compare constraints clean team-up team-down team-status team-remote system-deps
+.PHONY: repro test lint ui bench bench-team bench-scale compare figures constraints clean team-up team-down team-status team-remote system-deps
 
 $(VENV)/.runtime: requirements.txt constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -83,6 +83,13 @@ bench: $(VENV)/.dev $(VENV)/.fused
 ## bench-team: the time to log reproduce@cora's 100 child runs, SQLite against a team server (started for it)
 bench-team: $(VENV)/.dev
 	$(RUN) $(BIN)/python -m benchmarks.child_runs --out reports/benchmark-team.json
+
+## figures: the README's pictures (reports/figures/): the pipeline up to analyze, then its PNGs copied
+figures: $(VENV)/.runtime
+	$(RUN) $(BIN)/python -m stages.init_store
+	$(RUN) $(BIN)/dvc repro analyze
+	mkdir -p reports/figures
+	cp data/analysis/*.png reports/figures/
 
 ## compare: one table and plot of every reproduced configuration (dvc exp sweeps), from MLflow
 compare: $(VENV)/.runtime

@@ -202,6 +202,24 @@ class ReproduceParams:
 
 
 @dataclass(frozen=True)
+class AnalyzeParams:
+    """The analyze stage's pictures of the trained model: which test nodes to draw, and the t-SNE map's settings."""
+
+    example_nodes: int
+    max_drawn_nodes: int
+    tsne_perplexity: float
+    tsne_seed: int
+    tsne_max_iter: int
+
+    def validate(self, p: str) -> None:
+        _in_range(self.example_nodes, f"{p}.example_nodes", 1, 12)  # one panel each, in one picture
+        _in_range(self.max_drawn_nodes, f"{p}.max_drawn_nodes", 3, 1000)
+        _in_range(self.tsne_perplexity, f"{p}.tsne_perplexity", 1.0, 1000.0)
+        _in_range(self.tsne_seed, f"{p}.tsne_seed", 0, 2**32 - 1)  # scikit-learn's random_state bound
+        _in_range(self.tsne_max_iter, f"{p}.tsne_max_iter", 250, 100_000)  # scikit-learn's minimum
+
+
+@dataclass(frozen=True)
 class Params:
     """The whole of params.yaml."""
 
@@ -210,6 +228,7 @@ class Params:
     preprocess: PreprocessParams
     train: TrainParams
     reproduce: ReproduceParams
+    analyze: AnalyzeParams
 
     def validate(self, p: str) -> None:
         _check(len(self.datasets) > 0, "datasets", "must list at least one dataset")

@@ -368,10 +368,13 @@ class GraphAttentionLayer(nn.Module):
             return out.permute(2, 0, 1, 3).reshape(n_targets, R, H * F_out)
         return out.mean(dim=1).transpose(0, 1)
 
-    def _infer(self, h: Tensor | SparseFeatures, neighbourhoods: Neighbourhoods) -> Tensor:
+    def _infer(self, h: Tensor | SparseFeatures, neighbourhoods: Neighbourhoods,
+               attention: list[Tensor] | None = None) -> Tensor:
         """The same layer without dropout, laid out for speed: node-major throughout.
 
         Differentiable, for eval-mode gradients: its in-place steps overwrite nothing that autograd keeps.
+        When `attention` is a list, the coefficients α are appended to it, [E, R, H] in the neighbourhoods'
+        edge order (gat.model.GAT.attention): the very α this pass aggregates with.
 
         Shapes: as :meth:`forward`; internally g: [N_src, B, F'], scores: [E, B]
         """
@@ -411,6 +414,8 @@ class GraphAttentionLayer(nn.Module):
             return F.embedding_bag(plan.edges, x, neighbourhoods.crow, mode="sum", include_last_offset=True)
 
         alpha = segment_softmax(e, neighbourhoods.degree, neighbourhoods.target, sum_runs)  # [E, B]
+        if attention is not None:
+            attention.append(alpha.view(-1, R, H))  # column r·H + h of [E, B] is replica r's head h
 
         # h'_i = Σ_j α_ij g_j: one bag of α-weighted rows of g per (target, block).
         out = F.embedding_bag(plan.bag_rows, g.view(-1, F_out), plan.bag_offsets, mode="sum",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -59,12 +60,57 @@ class GAT(nn.Module):
         return self.output(h, second, noise)
 
     @torch.no_grad()
+    def inspect(self, x: SparseFeatures, neighbourhoods: Neighbourhoods) -> "Inspection":
+        """The whole-graph pass that `predict` makes (eval mode, no dropout), with what it computes on the way:
+        the first layer's output and every layer's attention coefficients α.
+
+        Raises ValueError in training mode, whose dropout would make α a random draw: call eval() first.
+        """
+        if self.training:
+            raise ValueError("the attention coefficients are read in eval mode (no dropout): call eval() first")
+        if not isinstance(neighbourhoods, Neighbourhoods) or neighbourhoods.target_in_source is not None:
+            raise ValueError("inspect() takes the whole graph's Neighbourhoods, not receptive-field blocks")
+        attention: list[Tensor] = []
+        hidden = self.hidden._infer(x, neighbourhoods, attention)
+        logits = self.output._infer(hidden, neighbourhoods, attention)
+        return Inspection(hidden=hidden, logits=logits, attention=tuple(attention))
+
+    def attention(self, x: SparseFeatures, neighbourhoods: Neighbourhoods) -> list[Tensor]:
+        r"""Each layer's attention coefficients :math:`\alpha_{ij}` for every edge and head, first layer first.
+
+        Row e of each tensor is the edge `neighbourhoods.source[e]` (j) -> `neighbourhoods.target[e]` (i):
+        edges sorted by target, then source, with every node's self-loop (as
+        :meth:`Neighbourhoods.from_edge_index` builds them). Over each node's incoming edges, the
+        self-loop included, the α of a head sum to 1.
+
+        Shapes:
+            x: :class:`SparseFeatures` [N, F_in]; neighbourhoods: the whole graph, E edges
+            output: [[E, R, K], [E, R, output_heads]] (R replicas; [:, 0] is a one-seed model's [E, H])
+        """
+        return list(self.inspect(x, neighbourhoods).attention)
+
+    @torch.no_grad()
     def keep_replicas(self, replicas: Tensor) -> None:
         """Keep only the listed replicas (the others stopped early); the parameters are new objects."""
         # New Parameters rather than a resized `.data`: autograd caches a leaf's shape.
         for module in self.modules():
             for name, parameter in list(module.named_parameters(recurse=False)):
                 setattr(module, name, nn.Parameter(parameter.detach()[replicas]))
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """What a model computes on the whole graph in eval mode (:meth:`GAT.inspect`).
+
+    Shapes:
+        hidden: [N, R, K·F'] the first layer's output (ELU, heads concatenated): each node's embedding
+        logits: [N, R, C], equal to `predict`'s
+        attention: one α per layer, [E, R, K] then [E, R, output_heads], in the edge order of :meth:`GAT.attention`
+    """
+
+    hidden: Tensor
+    logits: Tensor
+    attention: tuple[Tensor, ...]
 
 
 def model_state(model: GAT, in_features: int, num_classes: int, seeds: Sequence[int]) -> dict:

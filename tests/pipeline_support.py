@@ -34,7 +34,7 @@ DATASETS = ("cora", "citeseer")
 
 # Small enough to train in seconds; everything else is the repo's params.yaml. The single training run
 # stops early (patience 5 of at most 60 epochs), so its restored epoch is not its last.
-TINY = {"train.optim.max_epochs": 60, "train.optim.patience": 5, "reproduce.seeds": 3,
+TINY = {"train.optim.max_epochs": 60, "train.optim.patience": 5, "analyze.tsne_max_iter": 250, "reproduce.seeds": 3,
         "reproduce.seeds_per_batch": 2,
         **{f"reproduce.protocol.{name}.optim.{key}": value for name in DATASETS
            for key, value in (("max_epochs", 12), ("patience", 4))}}

@@ -20,7 +20,7 @@ from pipeline_support import DATASETS, TINY, VENV_BIN, Pipeline, ran
 from stages._tracking import DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT, data_digest
 
 STAGES = [f"{stage}@{name}" for stage in ("download", "preprocess", "reproduce") for name in DATASETS] + [
-    "train", "evaluate", "report"]
+    "train", "evaluate", "analyze", "report"]
 
 
 def test_repro_runs_every_stage_and_logs_one_row_per_configuration(pipeline: Pipeline) -> None:
@@ -84,8 +84,10 @@ def _history(pipeline: Pipeline) -> list[dict]:
 def test_top_level_metrics_are_few_and_plainly_named(pipeline: Pipeline) -> None:
     (row,) = pipeline.runs(TRAIN_EXPERIMENT)
     curves = {f"epoch_{key}" for key in ("train_loss", "train_acc", "val_loss", "val_acc")}
+    analysis = {"attention_entropy_layer1", "attention_entropy_layer2", "attention_entropy_uniform",
+                "silhouette_layer1", "silhouette_tsne"}  # the analyze stage's
     assert set(row.data.metrics) == {"test_acc", "val_acc", "test_macro_f1", "test_loss", "val_loss", "epochs",
-                                     "best_epoch"} | curves
+                                     "best_epoch"} | curves | analysis
     artifacts = {item.path for item in pipeline.client.list_artifacts(row.info.run_id)}
     assert {"per_class.json", "per_class_table.json", "confusion_matrix.json"} <= artifacts
 
@@ -169,7 +171,9 @@ def test_dvc_metrics_and_plots_show(pipeline: Pipeline) -> None:
     plots = json.loads(pipeline.dvc("plots", "show", "--json").stdout)
     assert not plots.get("errors")
     assert set(plots["data"]) == {"Loss per epoch", "Accuracy per epoch", "Test confusion matrix"} | {
-        f"data/reproduce/{name}/histogram.csv" for name in DATASETS}
+        f"data/reproduce/{name}/histogram.csv" for name in DATASETS} | {
+        f"data/analysis/{name}.png" for name in ("attention_entropy", "embedding_tsne", "neighbourhoods",
+                                                 "training_curves", "confusion_matrix")}
     epochs = plots["data"]["Loss per epoch"][0]["content"]["data"]["values"]
     assert len(epochs) >= len({row["epoch"] for row in epochs}) > 1
 
@@ -238,9 +242,10 @@ def test_second_repro_is_a_noop(pipeline_copy: Pipeline) -> None:
     assert len(pipeline_copy.all_runs()) == before
 
 
-def test_changing_train_lr_reruns_only_train_and_evaluate(pipeline_copy: Pipeline) -> None:
+def test_changing_train_lr_reruns_only_train_evaluate_and_analyze(pipeline_copy: Pipeline) -> None:
     pipeline_copy.set_params(**{"train.optim.lr": 0.01})
-    assert ran(pipeline_copy.dvc("repro")) == ["train", "evaluate"]
+    stages = ran(pipeline_copy.dvc("repro"))
+    assert stages[0] == "train" and sorted(stages[1:]) == ["analyze", "evaluate"]
     first, second = pipeline_copy.runs(TRAIN_EXPERIMENT)
     assert (first.data.params["train.optim.lr"], second.data.params["train.optim.lr"]) == ("0.005", "0.01")
     assert "test_acc" in second.data.metrics

@@ -1,0 +1,151 @@
+"""Look inside the trained model: attention entropy, the embedding map, neighbourhood views, curves and confusion.
+
+    python -m stages.analyze --data data/prepared/cora --train data/train --out data/analysis
+
+Writes five PNGs and `metrics.json` (mean attention entropy per layer against uniform attention, the
+silhouette of the classes in the first layer's output and in its t-SNE map), and logs them all into the
+training configuration's MLflow run (the one train and evaluate write; its id is in run.json), under
+`analysis/`. Same params, same bytes: the t-SNE seed is a param, every computation runs on one thread,
+and the PNGs carry no library version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import tempfile
+from pathlib import Path
+
+import matplotlib
+import mlflow
+import torch
+from sklearn.metrics import confusion_matrix
+from threadpoolctl import threadpool_limits
+
+from gat.analysis import (attention_entropy, neighbourhood, pick_examples, silhouette, tsne, two_hop_sizes,
+                          uniform_entropy)
+from gat.model import model_from_state
+from gat.training import GraphTensors, evaluate
+from stages._common import fail, load_params, load_prepared, main, outputs_together, require, write_atomic
+from stages._figures import (class_names, confusion_figure, curves_figure, embedding_figure, entropy_figure,
+                             neighbourhood_figure, png_bytes)
+from stages._tracking import stage_run
+
+# What the stage writes, each PNG with its size in pixels (width, height), as the README lists them.
+PICTURES = {
+    "attention_entropy.png": (1200, 1000),
+    "embedding_tsne.png": (1000, 800),
+    "neighbourhoods.png": (1500, 1000),
+    "training_curves.png": (1100, 400),
+    "confusion_matrix.png": (750, 650),
+}
+
+
+def _metric(value: float) -> float:
+    """Six decimals: the figures carry no float noise into metrics.json and the runs table."""
+    return round(float(value), 6)
+
+
+def run() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--data", required=True, type=Path, help="a preprocess output folder")
+    parser.add_argument("--train", required=True, type=Path, help="the train stage's output folder")
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    params = load_params()
+    settings, dataset = params.analyze, params.train.dataset
+    graph, _meta = load_prepared(args.data, dataset)
+    state = torch.load(require(args.train / "model.pt", "train"), weights_only=True)
+    trained = json.loads(require(args.train / "run.json", "train").read_text())
+    with require(args.train / "history.csv", "train").open() as handle:
+        history = [{key: float(value) for key, value in row.items()} for row in csv.DictReader(handle)]
+
+    # Every check before any work, and before the training run is touched: a failure leaves both as they were.
+    if (state["in_features"], state["num_classes"]) != (graph.num_features, graph.num_classes):
+        fail(f"{args.train / 'model.pt'} was trained on a graph with {state['in_features']} features and "
+             f"{state['num_classes']} classes, but {args.data} ({dataset}) has {graph.num_features} and "
+             f"{graph.num_classes}: it is another dataset's model. Retrain it with `dvc repro train`.")
+    if len(state["seeds"]) != 1:
+        fail(f"{args.train / 'model.pt'} holds {len(state['seeds'])} replicas; the train stage saves one.")
+    if settings.example_nodes > graph.test_idx.numel():
+        fail(f"params.yaml: `analyze.example_nodes` is {settings.example_nodes}, but the test set of {dataset} "
+             f"has only {graph.test_idx.numel()} nodes; lower it.")
+    labelled = torch.nonzero(graph.labels >= 0).view(-1)  # Citeseer's padded test nodes have no class
+    if not settings.tsne_perplexity < labelled.numel():
+        fail(f"params.yaml: `analyze.tsne_perplexity` ({settings.tsne_perplexity}) must be below the number of "
+             f"labelled nodes ({labelled.numel()}); lower it.")
+
+    matplotlib.rcdefaults()  # a user's matplotlibrc must not change the pictures
+    tensors = GraphTensors.from_graph(graph)
+    model = model_from_state(state)
+    result = evaluate(model, tensors)  # the predictions that the evaluate stage reports
+    inside = model.inspect(tensors.x, tensors.neighbourhoods)
+    predicted = result.predicted[:, 0]
+    names = class_names(dataset, graph.num_classes)
+
+    # 1. Attention entropy per layer and head, against uniform attention over the same neighbourhoods.
+    entropy = [attention_entropy(alpha[:, 0], tensors.neighbourhoods).numpy() for alpha in inside.attention]
+    uniform = uniform_entropy(tensors.neighbourhoods).numpy()
+    metrics = {"attention_entropy_uniform": _metric(uniform.mean())}
+    for layer, values in enumerate(entropy, start=1):
+        metrics[f"attention_entropy_layer{layer}"] = _metric(values.mean())
+    ratios = [metrics[f"attention_entropy_layer{layer}"] / metrics["attention_entropy_uniform"] for layer in (1, 2)]
+
+    # 2. The first layer's output of every labelled node, mapped by t-SNE; one thread, so the map is reproducible.
+    hidden, labels = inside.hidden[labelled, 0], graph.labels[labelled]
+    with threadpool_limits(limits=1):
+        points = tsne(hidden, settings.tsne_perplexity, settings.tsne_seed, settings.tsne_max_iter)
+        metrics["silhouette_layer1"] = _metric(silhouette(hidden, labels))
+        metrics["silhouette_tsne"] = _metric(silhouette(points, labels))
+    is_test = torch.isin(labelled, graph.test_idx).numpy()
+
+    # 3. A few test nodes, some classified wrong and some right, with the α on their 2-hop neighbourhood.
+    test_idx = graph.test_idx[graph.labels[graph.test_idx] >= 0]
+    examples = pick_examples(test_idx, predicted[test_idx] == graph.labels[test_idx],
+                             two_hop_sizes(tensors.neighbourhoods), settings.example_nodes, settings.max_drawn_nodes)
+    views = [neighbourhood(tensors.neighbourhoods, inside.attention, node) for node in examples]
+
+    # 4. The curves of training, and where on the test set the restored model goes wrong.
+    actual, guessed = graph.labels[test_idx].numpy(), predicted[test_idx].numpy()
+    confusion = confusion_matrix(actual, guessed, labels=list(range(graph.num_classes)), normalize="true")
+    accuracy = f"test accuracy {(actual == guessed).mean():.3f}"  # evaluate's test_acc, not logged twice
+    pictures = {
+        "attention_entropy.png": entropy_figure(
+            entropy, uniform, f"{dataset}: entropy of each node's attention, per layer and head, against uniform "
+                              f"attention (ratio {ratios[0]:.4f} in layer 1, {ratios[1]:.4f} in layer 2)"),
+        "embedding_tsne.png": embedding_figure(
+            points, labels.numpy(), is_test, names,
+            f"{dataset}: t-SNE of layer 1's output (perplexity {settings.tsne_perplexity:g}, seed "
+            f"{settings.tsne_seed})\nclass silhouette {metrics['silhouette_layer1']:.3f} in the "
+            f"{hidden.shape[1]}-d output, {metrics['silhouette_tsne']:.3f} in the map"),
+        "neighbourhoods.png": neighbourhood_figure(
+            views, graph.labels, predicted, names,
+            f"{dataset}: 2-hop neighbourhoods of test nodes; an edge's width is the attention α it gets "
+            "(into the centre: layer 2; into a neighbour: layer 1; heads averaged)"),
+        "training_curves.png": curves_figure(history, int(trained["best_epoch"]),
+                                             f"{dataset}, seed {state['seeds'][0]}: training curves"),
+        "confusion_matrix.png": confusion_figure(confusion.tolist(), names,
+                                                 f"{dataset}: normalised test confusion matrix\n({accuracy})",
+                                                 normalised=True),
+    }
+    files = {name: png_bytes(figure) for name, figure in pictures.items()}
+    files["metrics.json"] = (json.dumps(metrics, indent=2, sort_keys=True) + "\n").encode()
+
+    # Into the training configuration's run, beside its metrics and model: no new row.
+    with stage_run(run_id=trained["run_id"]):
+        mlflow.log_metrics(metrics)
+        with tempfile.TemporaryDirectory() as folder:
+            for name, data in files.items():
+                (Path(folder) / name).write_bytes(data)
+            mlflow.log_artifacts(folder, "analysis")
+        with outputs_together():
+            for name, data in files.items():
+                write_atomic(args.out / name, data)
+    print(f"{dataset}: attention entropy {metrics['attention_entropy_layer1']:.3f} / "
+          f"{metrics['attention_entropy_layer2']:.3f} nats in layers 1 / 2, uniform "
+          f"{metrics['attention_entropy_uniform']:.3f}; silhouette {metrics['silhouette_layer1']:.3f} -> {args.out}")
+
+
+if __name__ == "__main__":
+    main(run)
