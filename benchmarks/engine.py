@@ -56,12 +56,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from benchmarks import dense_reference
-from gat.config import ModelConfig
+from gat import fused
+from gat.config import ModelConfig, OptimConfig
 from gat.data import Graph, file_names, parse_planetoid
 from gat.dropout import ReplicaDropout
 from gat.graph import Neighbourhoods
 from gat.model import GAT
-from gat.training import GraphTensors, NodeView, evaluate, loss_and_accuracy, train_step
+from gat.training import GraphTensors, NodeView, evaluate, loss_and_accuracy, train, train_step
 from stages._common import StageError, write_json
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -78,6 +79,11 @@ WEIGHT_DECAY = 5e-4
 
 # What the engine is meant to achieve against the same run's PyG figures; reported, never adjusted.
 TARGETS = {"train_step_vs_pyg": 0.10, "eval_vs_pyg": 0.25, "peak_rss_mb": 500.0}
+# The fused kernel's (issue 12), on its one-seed row: the training step, and as `eval` the validation pass that
+# train runs after every step; its seed-epochs per second in `train` (as a reproduce worker runs it) against
+# the torch kernel's, measured in the same run.
+FUSED_TARGETS = {"train_step_vs_pyg": 0.04, "eval_vs_pyg": 0.10, "peak_rss_mb": 500.0}
+FUSED_SPEEDUP_TARGET = 3.0
 
 # torch's intra-op thread count before this module changes it: one per core unless OMP_NUM_THREADS says otherwise.
 DEFAULT_THREADS = torch.get_num_threads()
@@ -164,6 +170,23 @@ def build_engine(graph: Graph, seeds: Sequence[int] = (0,), per_epoch_validation
         return evaluation.val_loss, evaluation.val_acc
 
     return Runner(step, eval_pass)
+
+
+def build_fused(graph: Graph, seeds: Sequence[int] = (0,)) -> Runner:
+    """The fused kernel (gat.fused.FusedTrainer), as `gat.training.train` runs it with `kernel: fused`.
+
+    The eval pass is the per-epoch validation pass (validation nodes' receptive field, no dropout):
+    the fused kernel does not replace `evaluate`'s whole-graph pass, which runs once per trained model.
+    """
+    reason = fused.unavailable_reason()
+    if reason is not None:
+        raise StageError(f"the fused kernel is unavailable ({reason}): run `make bench`, which builds it")
+    tensors = GraphTensors.from_graph(graph)
+    model = GAT(MODEL, tensors.x.num_features, tensors.num_classes, seeds)
+    noise = ReplicaDropout(seeds, MODEL.dropout)
+    trainer = fused.FusedTrainer(model, LR, WEIGHT_DECAY, NodeView.of(tensors, tensors.train_idx, model.n_layers),
+                                 NodeView.of(tensors, tensors.val_idx, model.n_layers))
+    return Runner(lambda: trainer.step(noise)[0], trainer.validate)
 
 
 class PygGAT(nn.Module):
@@ -339,6 +362,12 @@ def cases(graph: Graph, *, repeats: int, warmup: int, dense_repeats: int, dense_
         Case("engine_epoch_validation", "this engine (1 seed), eval = train's per-epoch validation pass",
              lambda g: build_engine(g, per_epoch_validation=True), 1, "full Cora (training nodes' receptive field)",
              f"gat.training.NodeView: the validation nodes' receptive field only, then {val}", **fast),
+        Case("fused", "fused kernel (1 seed), eval = train's per-epoch validation pass", build_fused, 1,
+             "full Cora (training nodes' receptive field)",
+             f"gat.fused: the validation nodes' receptive field only, then {val}", **fast),
+        Case("fused_batched", f"fused kernel, per seed of {batched_seeds} batched, eval = per-epoch validation",
+             lambda g: build_fused(g, seeds), 1, "full Cora (training nodes' receptive field)",
+             f"gat.fused: the validation nodes' receptive field only, then {val}", replicas=batched_seeds, **fast),
     ]
     for threads in sorted({1, DEFAULT_THREADS}):
         listed.append(Case(f"pyg_{threads}t", f"PyG GATConv ({threads} thread{'s' * (threads > 1)})", build_pyg,
@@ -532,13 +561,56 @@ def add_ratios(entries: dict[str, dict], listed: Sequence[Case]) -> str:
     return best.key
 
 
-def check_targets(engine: dict) -> dict:
-    """The engine's figures against TARGETS: value, target and whether it is met (None when not measured)."""
+def check_targets(engine: dict, targets: Mapping[str, float] = TARGETS) -> dict:
+    """An entry's figures against `targets`: value, target and whether it is met (None when not measured)."""
     checks = {}
-    for name, target in TARGETS.items():
+    for name, target in targets.items():
         value = engine.get(name)
         checks[name] = {"value": value, "target": target, "met": None if value is None else bool(value <= target)}
     return checks
+
+
+def reproduce_throughput(graph: Graph, seeds: int, epochs: int, rounds: int) -> dict:
+    """Seed-epochs per second of `gat.training.train` with each kernel, as a reproduce worker runs a batch.
+
+    One intra-op thread (stages.reproduce runs one worker per core), `seeds` seeds in one model, `epochs`
+    epochs each (patience above max_epochs, so no seed stops early): the training steps, the per-epoch
+    validation passes, early-stopping bookkeeping and checkpoints. The kernels take turns, `rounds` times.
+    Seconds are this process's CPU time, the wall time of a worker that has its core to itself: on a
+    machine whose cores other processes share, wall time would measure their load as much as the kernels
+    (it is reported too).
+    """
+    reason = fused.unavailable_reason()
+    if reason is not None:
+        raise StageError(f"the fused kernel is unavailable ({reason}): run `make bench`, which builds it")
+    tensors = GraphTensors.from_graph(graph)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cpu: dict[str, list[float]] = {"fused": [], "torch": []}
+    wall: dict[str, list[float]] = {"fused": [], "torch": []}
+    try:
+        for _ in range(rounds):
+            for kernel in cpu:
+                optim = OptimConfig(LR, WEIGHT_DECAY, max_epochs=epochs, patience=epochs + 1,
+                                    kernel=kernel)  # type: ignore[arg-type]
+                start, start_cpu = time.perf_counter(), time.process_time()
+                train(tensors, MODEL, optim, range(seeds))
+                cpu[kernel].append(time.process_time() - start_cpu)
+                wall[kernel].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+
+    def rates(seconds: dict[str, list[float]]) -> dict[str, list[float]]:
+        return {kernel: [seeds * epochs / s for s in samples] for kernel, samples in seconds.items()}
+
+    median = {kernel: _percentile(values, 50) for kernel, values in rates(cpu).items()}
+    median_wall = {kernel: _percentile(values, 50) for kernel, values in rates(wall).items()}
+    speedup = median["fused"] / median["torch"]
+    return {"seeds_per_batch": seeds, "epochs": epochs, "threads": 1, "rounds": rounds, "clock": "process CPU time",
+            "seed_epochs_per_s": median, "seed_epochs_per_s_samples": rates(cpu),
+            "seed_epochs_per_wall_s": median_wall, "seed_epochs_per_wall_s_samples": rates(wall),
+            "fused_vs_torch": speedup, "fused_vs_torch_wall": median_wall["fused"] / median_wall["torch"],
+            "target": FUSED_SPEEDUP_TARGET, "met": bool(speedup >= FUSED_SPEEDUP_TARGET)}
 
 
 def cpu_model() -> str:
@@ -631,9 +703,18 @@ def format_table(report: dict) -> str:
     lines += ["", f"Ratios are to {report['implementations'][report['reference']]['label']} (the faster PyG case). "
               f"Peak RSS: a fresh process per implementation; a process that only imports torch peaks at "
               f"{_fmt(report['baseline_torch_import_rss_mb'], '.0f')} MB."]
-    for name, check in report["targets"].items():
-        verdict = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
-        lines.append(f"Target engine {name} <= {check['target']}: {_fmt(check['value'], '.3f')} ({verdict})")
+    for who, targets in (("engine", report["targets"]), ("fused kernel", report.get("fused_targets", {}))):
+        for name, check in targets.items():
+            verdict = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
+            lines.append(f"Target {who} {name} <= {check['target']}: {_fmt(check['value'], '.3f')} ({verdict})")
+    throughput = report.get("reproduce_throughput")
+    if throughput:
+        rate = throughput["seed_epochs_per_s"]
+        lines.append(f"Seed-epochs per CPU second of train ({throughput['seeds_per_batch']} seeds per batch, "
+                     f"1 thread): fused {rate['fused']:.0f}, torch {rate['torch']:.0f}: "
+                     f"{throughput['fused_vs_torch']:.2f}x "
+                     f"({throughput['fused_vs_torch_wall']:.2f}x in wall time); target >= {throughput['target']}x "
+                     f"({'met' if throughput['met'] else 'NOT met'})")
     return "\n".join(lines)
 
 
@@ -655,6 +736,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peak-epochs", type=int, default=20,
                         help="epochs each peak-RSS process trains (the dense model: 1, each costs seconds)")
     parser.add_argument("--no-peak", action="store_true", help="skip the peak-RSS processes")
+    parser.add_argument("--throughput-epochs", type=int, default=200,
+                        help="epochs of each train() run that compares the kernels' seed-epochs/s; 0: skip it")
+    parser.add_argument("--throughput-rounds", type=int, default=3)
     parser.add_argument("--no-verify", action="store_true", help="skip the checksum check of the raw files")
     parser.add_argument("--peak-of", help=argparse.SUPPRESS)  # internal: one fresh process per implementation
     return parser.parse_args(argv)
@@ -693,7 +777,14 @@ def run(args: argparse.Namespace) -> dict:
 
     entries = {case.key: summarise(case, samples[case.key], peaks.get(case.key)) for case in listed}
     reference_key = add_ratios(entries, listed)
+    throughput = None
+    if args.throughput_epochs > 0:
+        log(f"seed-epochs per second of train, fused and torch kernels, {args.throughput_rounds} rounds")
+        throughput = reproduce_throughput(graph, args.batched_seeds, args.throughput_epochs, args.throughput_rounds)
     extra = {"command": " ".join(["python", "-m", "benchmarks.engine", *args.argv]),
+             "fused_targets": check_targets(entries["fused"], FUSED_TARGETS),
+             "fused_batched_targets": check_targets(entries["fused_batched"], FUSED_TARGETS),
+             "reproduce_throughput": throughput,
              "other_processes_cpu_share_during_timing": others,
              "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
              "dense_estimated_peak_gb": dense_peak_bytes(args.dense_nodes) / 2**30,

@@ -129,12 +129,19 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """Adam with coupled L2 and the authors' early stopping; shared by the train and reproduce stages."""
+    """Adam with coupled L2 and the authors' early stopping; shared by the train and reproduce stages.
+
+    `kernel` computes each step: `fused`, gat.fused's native training step and validation pass (CPU), or
+    `torch`, the reference implementation in gat.layers (and the fallback where fused cannot be built or on
+    CUDA). They agree to float32 rounding. params.yaml must set it; code that builds an OptimConfig itself
+    gets the reference.
+    """
 
     lr: float
     weight_decay: float
     max_epochs: int
     patience: int
+    kernel: Literal["fused", "torch"] = "torch"
 
     def validate(self, p: str) -> None:
         _in_range(self.lr, f"{p}.lr", 0.0, 10.0, low_open=True)

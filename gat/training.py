@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gat import fused
 from gat.config import ModelConfig, OptimConfig
 from gat.dropout import ReplicaDropout
 from gat.graph import Neighbourhoods, SparseFeatures, receptive_field
@@ -201,35 +202,74 @@ class EarlyStopping:
         return save, self.wait[replicas] >= self.patience
 
 
+class TorchKernel:
+    """The reference kernel: gat.layers' autograd graph and torch.optim.Adam, one epoch's step and validation.
+
+    gat.fused.FusedTrainer has the same three methods and computes the same, natively.
+    """
+
+    def __init__(self, model: GAT, optim: OptimConfig, train_view: NodeView, val_view: NodeView):
+        self.model, self.train_view, self.val_view = model, train_view, val_view
+        # L2 as the authors add it, λ·Σ½‖v‖² over all variables: Adam's coupled weight_decay, not AdamW.
+        self.optimiser = torch.optim.Adam(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+
+    def step(self, noise: ReplicaDropout | None) -> tuple[Tensor, Tensor]:
+        return train_step(self.model, self.optimiser, self.train_view, noise)
+
+    @torch.no_grad()
+    def validate(self) -> tuple[Tensor, Tensor]:
+        self.model.eval()
+        return self.val_view.loss_and_accuracy(self.model)
+
+    def keep(self, replicas: Tensor, noise: ReplicaDropout | None) -> None:
+        self.optimiser = _keep_replicas(self.model, self.optimiser, noise, replicas)
+
+
+def training_kernel(model: GAT, optim: OptimConfig, train_view: NodeView,
+                    val_view: NodeView) -> TorchKernel | fused.FusedTrainer:
+    """`optim.kernel`'s implementation; the torch kernel where the fused one cannot run, said once per process."""
+    if optim.kernel == "fused":
+        device = next(model.parameters()).device
+        if device.type != "cpu":
+            reason = f"it runs on the CPU, and this model is on {device}"
+        else:
+            try:
+                return fused.FusedTrainer(model, optim.lr, optim.weight_decay, train_view, val_view)
+            except fused.FusedUnavailable as error:
+                reason = str(error)
+        fused.fallback_warning(reason)
+    return TorchKernel(model, optim, train_view, val_view)
+
+
 def train(graph: GraphTensors, config: ModelConfig, optim: OptimConfig, seeds: Sequence[int],
           on_epoch: Callable[[EpochMetrics], None] | None = None) -> TrainResult:
     """Train one replica per seed with Adam (coupled L2, biases included) and the authors' early stopping.
 
     Replicas share nothing but the batch: each has its own init, dropout stream, optimiser
     state and stopping epoch. A replica that stops is removed from the batch, so the rest
-    run faster; the result of a seed is the same alone or among others.
+    run faster; the result of a seed is the same alone or among others. `optim.kernel` picks
+    the implementation of each epoch's step and validation pass (:func:`training_kernel`).
     """
     seeds = tuple(int(s) for s in seeds)
     device = graph.labels.device
     model = GAT(config, graph.x.num_features, graph.num_classes, seeds).to(device)
     noise = ReplicaDropout(seeds, config.dropout) if config.dropout > 0 else None
-    # L2 as the authors add it, λ·Σ½‖v‖² over all variables: Adam's coupled weight_decay, not AdamW.
-    optimiser = torch.optim.Adam(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
     checkpoint = {name: p.detach().clone() for name, p in model.named_parameters()}
     stopping = EarlyStopping(len(seeds), optim.patience, device)
     epochs = torch.full((len(seeds),), optim.max_epochs, dtype=torch.long)
     active = torch.arange(len(seeds), device=device)
 
     train_view, val_view = (NodeView.of(graph, nodes, model.n_layers) for nodes in (graph.train_idx, graph.val_idx))
+    kernel = training_kernel(model, optim, train_view, val_view)
     for epoch in range(1, optim.max_epochs + 1):
-        train_loss, train_acc = train_step(model, optimiser, train_view, noise)
+        train_loss, train_acc = kernel.step(noise)
 
-        model.eval()
         with torch.no_grad():
-            val_loss, val_acc = val_view.loss_and_accuracy(model)
+            val_loss, val_acc = kernel.validate()
             save, stop = stopping.update(active, epoch, val_acc, val_loss)
-            for name, parameter in model.named_parameters():
-                checkpoint[name][active[save]] = parameter[save]
+            if save.any():
+                for name, parameter in model.named_parameters():
+                    checkpoint[name][active[save]] = parameter[save]
         if on_epoch is not None:
             on_epoch(EpochMetrics(epoch, tuple(seeds[int(r)] for r in active), train_loss, train_acc,
                                   val_loss, val_acc))
@@ -239,7 +279,7 @@ def train(graph: GraphTensors, config: ModelConfig, optim: OptimConfig, seeds: S
             active = active[keep]
             if active.numel() == 0:
                 break
-            optimiser = _keep_replicas(model, optimiser, noise, keep)
+            kernel.keep(keep, noise)
 
     restored = GAT(config, graph.x.num_features, graph.num_classes, seeds).to(device)
     restored.load_state_dict(checkpoint)

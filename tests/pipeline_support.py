@@ -35,9 +35,9 @@ DATASETS = ("cora", "citeseer")
 # Small enough to train in seconds; everything else is the repo's params.yaml. The single training run
 # stops early (patience 5 of at most 60 epochs), so its restored epoch is not its last.
 TINY = {"train.optim.max_epochs": 60, "train.optim.patience": 5, "analyze.tsne_max_iter": 250, "reproduce.seeds": 3,
-        "reproduce.seeds_per_batch": 2,
+        "reproduce.seeds_per_batch": 2, "train.optim.kernel": "fused",
         **{f"reproduce.protocol.{name}.optim.{key}": value for name in DATASETS
-           for key, value in (("max_epochs", 12), ("patience", 4))}}
+           for key, value in (("max_epochs", 12), ("patience", 4), ("kernel", "fused"))}}
 
 
 class Pipeline:

@@ -1,0 +1,940 @@
+// The paper's two-layer GAT, trained and validated for R replicas (seeds) in one native call each.
+//
+// gat/fused.py builds this file with the system C++ compiler and calls it through ctypes; gat/layers.py's
+// torch implementation is the reference it is tested against (tests/test_fused.py). One call does, for every
+// replica: both layers' forward pass under dropout, the cross-entropy loss, the backward pass of every
+// parameter and torch.optim.Adam's update with coupled L2 (`gat_train_step`); or the forward pass without
+// dropout and the loss and accuracy (`gat_evaluate`).
+//
+// Replicas share nothing but the graph: each is computed by one thread from its own parameters, Adam moments
+// and random stream, in a fixed order, so a replica's result is bit-for-bit the same alone, in any batch and
+// at any thread count. Dropout masks come from the replica's numpy PCG64 generator, consumed exactly as
+// gat/dropout.py's ReplicaDropout.keep consumes it, so the fused and the torch kernel draw the same masks.
+//
+// Notation (gat/layers.py): per head k, g = W^k·dropout(h); s_t(i) = a_1·g_i + b_1, s_s(j) = a_2·g_j + b_2;
+// z_ij = s_t(i) + s_s(j); e_ij = LeakyReLU(z_ij); α = softmax of e over each neighbourhood;
+// out_i = Σ_j dropout(α_ij)·dropout(g_j) + c; ELU and concatenation (layer 1) or the mean of the heads (layer 2).
+// Arithmetic follows torch's order of operations (no FMA contraction: -ffp-contract=off), so the two kernels
+// agree to float32 rounding; sums over neighbourhoods and features run in a fixed sequential order.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <type_traits>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using index_t = int64_t;
+
+// numpy's documented C interface of a bit generator (`BitGenerator.ctypes`): its state and next_uint64.
+using NextU64 = uint64_t (*)(void*);
+
+struct Block {  // gat.graph.Neighbourhoods: edges sorted by target, one CSR row per target
+  index_t targets, sources, edges;
+  const index_t* crow;     // [targets + 1]
+  const index_t* source;   // [edges]
+  const index_t* target_in_source;  // [targets]: the position of each target among the sources
+};
+
+struct Problem {
+  // Layer 1's input: the sources' features, CSR [n0, f_in]; values as float32 or float64 (the kernel's type).
+  index_t n0, f_in, nnz;
+  const index_t* x_crow;
+  const index_t* x_col;
+  const void* x_val;
+  Block block[2];
+  index_t heads[2], hidden[2];  // H and F' of both layers (layer 2: F' = C classes, heads averaged)
+  const index_t* labels;         // [block[1].targets]: the loss and accuracy are over all of them
+  double negative_slope;
+};
+
+struct Dropout {  // null `next`: no dropout
+  NextU64 next;
+  void* const* states;  // one numpy bit generator state per replica
+  uint8_t threshold_top;
+  uint64_t threshold_rest;
+  float scale;          // float32(1 / (1 - p)), as ReplicaDropout multiplies it
+};
+
+struct Adam {
+  double lr, beta1, beta2, eps, weight_decay;
+  double step;          // the step number after this update (torch keeps it per parameter; all are equal)
+};
+
+constexpr int kMaxFeatures = 256;  // F' of a head without a specialised build of the layer
+constexpr int kGroup = 8;  // heads whose sums are accumulated side by side
+constexpr int kParams = 6;  // per layer, in gat.layers.GraphAttentionLayer's order: W, a_target, a_source,
+                            // b_target, b_source, bias
+
+index_t param_numel(const Problem& p, int layer, int which) {
+  const index_t H = p.heads[layer], F = p.hidden[layer];
+  const index_t fin = layer == 0 ? p.f_in : p.heads[0] * p.hidden[0];
+  switch (which) {
+    case 0: return H * fin * F;
+    case 1: case 2: case 5: return H * F;
+    default: return H;
+  }
+}
+
+// The masks of ReplicaDropout.keep for `count` elements: an element is kept when a uniform 32-bit u is at
+// least the threshold; u's top byte decides unless it ties the threshold's, and the ties then draw one
+// 64-bit word each, in order, whose low 24 bits decide. The top bytes come 8 to a word, little-endian.
+template <typename T>
+void draw_mask(const Dropout& d, void* state, index_t count, T* mask, std::vector<index_t>& ties) {
+  ties.clear();
+  const T scale = static_cast<T>(d.scale);
+  constexpr uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
+  const uint64_t pattern = ones * d.threshold_top;
+#if defined(__AVX2__)
+  const __m256i top = _mm256_set1_epi32(d.threshold_top);
+  const __m256 scales = _mm256_set1_ps(d.scale);
+#endif
+  index_t base = 0;
+  for (; base + 8 <= count; base += 8) {
+    const uint64_t word = d.next(state);
+#if defined(__AVX2__)
+    if constexpr (std::is_same_v<T, float>) {  // the 8 bytes widened, compared and turned into 8 floats at once
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(word)));
+      const __m256i kept = _mm256_cmpgt_epi32(bytes, top);
+      _mm256_storeu_ps(mask + base, _mm256_and_ps(_mm256_castsi256_ps(kept), scales));
+    } else
+#endif
+    {
+      for (int b = 0; b < 8; ++b) mask[base + b] = static_cast<uint8_t>(word >> (8 * b)) > d.threshold_top ? scale : T(0);
+    }
+    const uint64_t x = word ^ pattern;
+    if ((x - ones) & ~x & highs) {  // some byte equals the threshold's (1 word in 32)
+      for (int b = 0; b < 8; ++b)
+        if (static_cast<uint8_t>(word >> (8 * b)) == d.threshold_top) ties.push_back(base + b);
+    }
+  }
+  if (base < count) {
+    const uint64_t word = d.next(state);
+    for (index_t b = 0; base + b < count; ++b) {
+      const uint8_t top = static_cast<uint8_t>(word >> (8 * b));
+      mask[base + b] = top > d.threshold_top ? scale : T(0);
+      if (top == d.threshold_top) ties.push_back(base + b);
+    }
+  }
+  for (index_t i : ties) mask[i] = (d.next(state) & 0xFFFFFFu) >= d.threshold_rest ? scale : T(0);
+}
+
+template <typename T>
+struct LayerParams {
+  const T *W, *a_target, *a_source, *b_target, *b_source, *bias;
+};
+
+template <typename T>
+struct LayerGrads {
+  T *W, *a_target, *a_source, *b_target, *b_source, *bias;
+};
+
+// What a layer's backward pass needs of its forward pass.
+template <typename T>
+struct LayerCache {
+  std::vector<T> input;      // layer 1: the masked feature values [H, nnz]; layer 2: the masked input [H, S, F_in]
+  std::vector<T> input_mask; // layer 2 only: [H, S, F_in]
+  const T* shared_input = nullptr;  // layer 2 without dropout: the input [S, F_in], for every head
+
+  const T* head_input(index_t k, index_t size) const {
+    return shared_input != nullptr ? shared_input : input.data() + k * size;
+  }
+  std::vector<T> g;          // W·dropout(h) [H, S, F']
+  std::vector<T> g_mask;     // [H, S, F']
+  std::vector<T> g_dropped;  // [H, S, F']
+  std::vector<T> z;          // scores before LeakyReLU [H, E]
+  std::vector<T> alpha;      // [H, E]
+  std::vector<T> alpha_mask; // [H, E]
+  std::vector<T> pre;        // output before the activation [H, T, F']
+};
+
+template <typename T>
+struct Workspace {
+  LayerCache<T> cache[2];
+  std::vector<T> hidden;     // layer 1's output, layer 2's input [T1, H1·F1]
+  std::vector<T> logits;     // [T2, C]
+  std::vector<T> grad_logits, grad_hidden, grad_out, grad_g, s_target, s_source, grad_s_target, grad_s_source,
+      grad_alpha, e, grads, mask, weights_t, weights_t2, grad_weights_t;
+  std::vector<index_t> ties;
+};
+
+// 8 lanes of T in one vector (GCC's vector extension: AVX, else SSE, else scalar code); each lane rounds as
+// the scalar operation does.
+template <typename T>
+struct Vec8Of {
+  typedef T type __attribute__((vector_size(8 * sizeof(T))));
+};
+template <typename T>
+using Vec8 = typename Vec8Of<T>::type;
+
+template <typename T>
+inline Vec8<T> load8(const T* p) {
+  Vec8<T> v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename T>
+inline void store8(T* p, Vec8<T> v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+template <typename T>
+inline T sum8(Vec8<T> v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+// The first layer of the paper's model (8 heads of 8 features) has a layout of its own; see layer_forward.
+template <int FC>
+bool fast_first_layer(const Problem& p, int l) {
+  return FC == 8 && l == 0 && p.heads[0] == 8;
+}
+
+// W [H, F_in, F'] -> [F_in, H·F'].
+template <typename T>
+void transpose_heads(const T* W, index_t H, index_t fin, index_t F, std::vector<T>& out) {
+  out.resize(fin * H * F);
+  for (index_t k = 0; k < H; ++k)
+    for (index_t q = 0; q < fin; ++q) {
+      if (F == 8) {  // one vector, not a call to memmove
+        store8(out.data() + (q * H + k) * 8, load8(W + (k * fin + q) * 8));
+      } else {
+        std::copy(W + (k * fin + q) * F, W + (k * fin + q + 1) * F, out.data() + (q * H + k) * F);
+      }
+    }
+}
+
+template <typename T>
+T dot(const T* a, const T* b, index_t n) {
+  T s = T(0);
+  for (index_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// exp and expm1 of a whole array, in loops the compiler vectorises: libm's scalar calls were a third of
+// the validation pass. float: Cephes' expf polynomial (about 1 ulp, as the SLEEF kernels torch uses);
+// double, for the gradient check only: the C library.
+inline float exp_approx(float x) {
+  constexpr float lo = -87.3365447504019f, hi = 88.3762626647949f;
+  const float xc = std::min(std::max(x, lo), hi);
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < lo ? 0.0f : y * scale;
+}
+
+// expm1 for x <= 0 (ELU's negative side): Taylor's series near 0, where exp(x) - 1 would cancel.
+inline float expm1_approx(float x) {
+  const float x2 = x * x;
+  float t = 1.0f / 40320;
+  t = t * x + 1.0f / 5040;
+  t = t * x + 1.0f / 720;
+  t = t * x + 1.0f / 120;
+  t = t * x + 1.0f / 24;
+  t = t * x + 1.0f / 6;
+  t = t * x + 0.5f;
+  const float near = t * x2 + x;
+  return x > -0.5f ? near : exp_approx(x) - 1.0f;
+}
+
+inline float exp_scalar(float x) { return exp_approx(x); }
+inline double exp_scalar(double x) { return std::exp(x); }
+
+void exp_inplace(float* x, index_t n) {
+  for (index_t i = 0; i < n; ++i) x[i] = exp_approx(x[i]);
+}
+void exp_inplace(double* x, index_t n) {
+  for (index_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+}
+// ELU in place: x > 0 ? x : expm1(x).
+void elu_inplace(float* x, index_t n) {
+  for (index_t i = 0; i < n; ++i) x[i] = x[i] > 0.0f ? x[i] : expm1_approx(std::min(x[i], 0.0f));
+}
+void elu_inplace(double* x, index_t n) {
+  for (index_t i = 0; i < n; ++i) x[i] = x[i] > 0.0 ? x[i] : std::expm1(x[i]);
+}
+
+// Layer `l` forward for one replica: `input` is the sparse x (l = 0) or the dense [S, F_in] hidden features.
+// FC: the number of features per head F' when known at compile time (0: read from the problem). With it the
+// per-head vectors are a few registers: each sum is accumulated there, in the same sequential order.
+template <typename T, int FC>
+void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* dense_input, bool training,
+                   const Dropout& drop, void* state, Workspace<T>& ws, T* output) {
+  constexpr int KM = FC > 0 ? FC : kMaxFeatures;
+  LayerCache<T>& c = ws.cache[l];
+  const Block& b = p.block[l];
+  const index_t H = p.heads[l], F = FC > 0 ? FC : p.hidden[l], S = b.sources, Tn = b.targets, E = b.edges;
+  const index_t fin = l == 0 ? p.f_in : p.heads[0] * p.hidden[0];
+  const bool dropout = training && drop.next != nullptr;
+  const T slope = static_cast<T>(p.negative_slope);
+  c.g.assign(H * S * F, T(0));
+
+  // g = W^k · dropout_k(h), a fresh input mask per head.
+  if (fast_first_layer<FC>(p, l)) {
+    // The paper's first layer (8 heads of 8): W transposed to [F_in, H·F'], so that each stored feature
+    // reads one contiguous row of 64 weights; the masked values [H, nnz], eight sequential streams.
+    const T* x = static_cast<const T*>(p.x_val);
+    const index_t nnz = p.nnz;
+    transpose_heads(w.W, H, fin, F, ws.weights_t);
+    if (dropout) {
+      c.input.resize(H * nnz);
+      draw_mask(drop, state, H * nnz, c.input.data(), ws.ties);  // one draw for all heads, [H, nnz]
+      for (index_t k = 0; k < H; ++k)
+        for (index_t e = 0; e < nnz; ++e) c.input[k * nnz + e] = x[e] * c.input[k * nnz + e];
+    }
+    using V = Vec8<T>;
+    for (index_t j = 0; j < S; ++j) {
+      V acc[8] = {};  // head k's 8 features: lane by lane, the same products and sums as scalar code
+      for (index_t e = p.x_crow[j]; e < p.x_crow[j + 1]; ++e) {
+        const T* row = ws.weights_t.data() + p.x_col[e] * 64;
+        for (int k = 0; k < 8; ++k) {
+          const T v = dropout ? c.input[k * nnz + e] : x[e];
+          acc[k] += v * load8(row + k * 8);
+        }
+      }
+      for (int k = 0; k < 8; ++k) store8(c.g.data() + (k * S + j) * 8, acc[k]);
+    }
+  } else if (l == 0) {
+    const T* x = static_cast<const T*>(p.x_val);
+    c.input.resize(H * p.nnz);
+    if (dropout) draw_mask(drop, state, H * p.nnz, c.input.data(), ws.ties);  // one draw for all heads
+    for (index_t k = 0; k < H; ++k) {
+      T* values = c.input.data() + k * p.nnz;
+      if (dropout) {
+        for (index_t e = 0; e < p.nnz; ++e) values[e] = x[e] * values[e];
+      } else {
+        std::copy(x, x + p.nnz, values);
+      }
+    }
+    if (FC > 0 && H % kGroup == 0) {
+      // kGroup heads at a time, one accumulator each: independent sums keep the adders busy.
+      for (index_t k0 = 0; k0 < H; k0 += kGroup) {
+        for (index_t j = 0; j < S; ++j) {
+          T acc[kGroup][KM] = {};
+          for (index_t e = p.x_crow[j]; e < p.x_crow[j + 1]; ++e) {
+            const index_t col = p.x_col[e];
+            for (int k = 0; k < kGroup; ++k) {
+              const T v = c.input[(k0 + k) * p.nnz + e];
+              const T* row = w.W + ((k0 + k) * fin + col) * F;
+              for (index_t f = 0; f < F; ++f) acc[k][f] += v * row[f];
+            }
+          }
+          for (int k = 0; k < kGroup; ++k) std::copy(acc[k], acc[k] + F, c.g.data() + ((k0 + k) * S + j) * F);
+        }
+      }
+    } else {
+      for (index_t k = 0; k < H; ++k) {
+        const T* values = c.input.data() + k * p.nnz;
+        const T* Wk = w.W + k * fin * F;
+        for (index_t j = 0; j < S; ++j) {
+          T acc[KM] = {};
+          for (index_t e = p.x_crow[j]; e < p.x_crow[j + 1]; ++e) {
+            const T v = values[e];
+            const T* row = Wk + p.x_col[e] * F;
+            for (index_t f = 0; f < F; ++f) acc[f] += v * row[f];
+          }
+          std::copy(acc, acc + F, c.g.data() + (k * S + j) * F);
+        }
+      }
+    }
+  } else {
+    // Without dropout every head reads the layer's input itself (kept by the caller until the backward pass).
+    c.input.resize(dropout ? H * S * fin : 0);
+    c.input_mask.resize(dropout ? H * S * fin : 0);
+    c.shared_input = dropout ? nullptr : dense_input;
+    if (dropout) draw_mask(drop, state, H * S * fin, c.input_mask.data(), ws.ties);
+    for (index_t k = 0; dropout && k < H; ++k) {
+      T* in = c.input.data() + k * S * fin;
+      const T* mask = c.input_mask.data() + k * S * fin;
+      for (index_t i = 0; i < S * fin; ++i) in[i] = dense_input[i] * mask[i];
+    }
+    for (index_t k = 0; k < H; ++k) {
+      const T* Wk = w.W + k * fin * F;
+      if (fin % 8 == 0) {
+        // W^k transposed [F', F_in]: each output is a dot product of two contiguous rows, summed in 8 lanes
+        // and then across them, always in this order.
+        ws.weights_t2.resize(F * fin);
+        for (index_t q = 0; q < fin; ++q)
+          for (index_t f = 0; f < F; ++f) ws.weights_t2[f * fin + q] = Wk[q * F + f];
+        for (index_t j = 0; j < S; ++j) {
+          const T* hj = c.head_input(k, S * fin) + j * fin;
+          for (index_t f = 0; f < F; ++f) {
+            const T* wf = ws.weights_t2.data() + f * fin;
+            Vec8<T> acc = {};
+            for (index_t q = 0; q < fin; q += 8) acc += load8(hj + q) * load8(wf + q);
+            c.g[(k * S + j) * F + f] = sum8<T>(acc);
+          }
+        }
+        continue;
+      }
+      for (index_t j = 0; j < S; ++j) {
+        const T* hj = c.head_input(k, S * fin) + j * fin;
+        T acc[KM] = {};
+        for (index_t q = 0; q < fin; ++q) {
+          const T v = hj[q];
+          const T* row = Wk + q * F;
+          for (index_t f = 0; f < F; ++f) acc[f] += v * row[f];
+        }
+        std::copy(acc, acc + F, c.g.data() + (k * S + j) * F);
+      }
+    }
+  }
+
+  // Scores of every node, gathered to edges, and the softmax over each neighbourhood.
+  ws.s_target.resize(Tn);
+  ws.s_source.resize(S);
+  c.z.resize(H * E);
+  c.alpha.resize(H * E);
+  ws.e.resize(std::max<index_t>(E, 1));
+  for (index_t k = 0; k < H; ++k) {
+    const T* gk = c.g.data() + k * S * F;
+    const T* at = w.a_target + k * F;
+    const T* as = w.a_source + k * F;
+    for (index_t j = 0; j < S; ++j) ws.s_source[j] = dot(gk + j * F, as, F) + w.b_source[k];
+    for (index_t i = 0; i < Tn; ++i) ws.s_target[i] = dot(gk + b.target_in_source[i] * F, at, F) + w.b_target[k];
+    T* z = c.z.data() + k * E;
+    T* alpha = c.alpha.data() + k * E;
+    for (index_t i = 0; i < Tn; ++i) {
+      const index_t begin = b.crow[i], end = b.crow[i + 1];
+      T shift = -INFINITY;
+      for (index_t e = begin; e < end; ++e) {
+        z[e] = ws.s_target[i] + ws.s_source[b.source[e]];
+        ws.e[e] = z[e] > T(0) ? z[e] : z[e] * slope;
+        shift = std::max(shift, ws.e[e]);
+      }
+      for (index_t e = begin; e < end; ++e) alpha[e] = ws.e[e] - shift;
+    }
+    exp_inplace(alpha, E);
+    for (index_t i = 0; i < Tn; ++i) {  // each neighbourhood's sum, spread over its edges
+      const index_t begin = b.crow[i], end = b.crow[i + 1];
+      T total = T(0);
+      for (index_t e = begin; e < end; ++e) total += alpha[e];
+      for (index_t e = begin; e < end; ++e) ws.e[e] = total;
+    }
+    for (index_t e = 0; e < E; ++e) alpha[e] = alpha[e] / ws.e[e];
+  }
+
+  // Dropout on α, then on g (in this order: ReplicaDropout's stream is consumed as the torch layer does).
+  c.alpha_mask.resize(dropout ? H * E : 0);
+  c.g_mask.resize(dropout ? H * S * F : 0);
+  c.g_dropped.resize(dropout ? H * S * F : 0);
+  if (dropout) {
+    draw_mask(drop, state, H * E, c.alpha_mask.data(), ws.ties);
+    draw_mask(drop, state, H * S * F, c.g_mask.data(), ws.ties);
+    for (index_t i = 0; i < H * S * F; ++i) c.g_dropped[i] = c.g[i] * c.g_mask[i];
+  }
+  const T* g_dropped = dropout ? c.g_dropped.data() : c.g.data();
+
+  // out_i = Σ_j α_ij g_j + c, then the activation and the joining of the heads.
+  c.pre.assign(H * Tn * F, T(0));
+  const bool concat = l == 0;
+  if (!concat) std::fill(output, output + Tn * F, T(0));
+  // ∂(α_ij dropped) once per edge: [H, E].
+  const T* a_dropped = c.alpha.data();
+  if (dropout) {
+    ws.grad_alpha.resize(H * E);
+    for (index_t i = 0; i < H * E; ++i) ws.grad_alpha[i] = c.alpha[i] * c.alpha_mask[i];
+    a_dropped = ws.grad_alpha.data();
+  }
+  if (FC == 8 && H % kGroup == 0) {
+    for (index_t k0 = 0; k0 < H; k0 += kGroup) {
+      for (index_t i = 0; i < Tn; ++i) {
+        Vec8<T> acc[kGroup] = {};
+        for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
+          const index_t j = b.source[e];
+          for (int k = 0; k < kGroup; ++k)
+            acc[k] += a_dropped[(k0 + k) * E + e] * load8(g_dropped + ((k0 + k) * S + j) * 8);
+        }
+        for (int k = 0; k < kGroup; ++k)
+          store8(c.pre.data() + ((k0 + k) * Tn + i) * 8, acc[k] + load8(w.bias + (k0 + k) * 8));
+      }
+    }
+  } else {
+    for (index_t k = 0; k < H; ++k) {
+      const T* gd = g_dropped + k * S * F;
+      for (index_t i = 0; i < Tn; ++i) {
+        T acc[KM] = {};
+        for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
+          const T a = a_dropped[k * E + e];
+          const T* gj = gd + b.source[e] * F;
+          for (index_t f = 0; f < F; ++f) acc[f] += a * gj[f];
+        }
+        T* out = c.pre.data() + (k * Tn + i) * F;
+        for (index_t f = 0; f < F; ++f) out[f] = acc[f] + w.bias[k * F + f];
+      }
+    }
+  }
+  if (concat) {  // ELU per head, heads concatenated: [T, H·F']
+    for (index_t k = 0; k < H; ++k)
+      for (index_t i = 0; i < Tn; ++i)
+        for (index_t f = 0; f < F; ++f) output[(i * H + k) * F + f] = c.pre[(k * Tn + i) * F + f];
+    elu_inplace(output, Tn * H * F);
+  } else {  // the mean of the heads
+    for (index_t k = 0; k < H; ++k)
+      for (index_t i = 0; i < Tn * F; ++i) output[i] += c.pre[k * Tn * F + i];
+    for (index_t i = 0; i < Tn * F; ++i) output[i] = output[i] / static_cast<T>(H);
+  }
+}
+
+template <typename T>
+void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W);
+
+// Layer `l` backward for one replica: `grad_output` is ∂L/∂output; accumulates into `g` and, for layer 2,
+// writes ∂L/∂input into `grad_input` [S, F_in].
+template <typename T, int FC>
+void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* grad_output, Workspace<T>& ws,
+                    const LayerGrads<T>& g, T* grad_input) {
+  constexpr int KM = FC > 0 ? FC : kMaxFeatures;
+  LayerCache<T>& c = ws.cache[l];
+  const Block& b = p.block[l];
+  const index_t H = p.heads[l], F = FC > 0 ? FC : p.hidden[l], S = b.sources, Tn = b.targets, E = b.edges;
+  const index_t fin = l == 0 ? p.f_in : p.heads[0] * p.hidden[0];
+  const bool dropout = !c.alpha_mask.empty();
+  const T slope = static_cast<T>(p.negative_slope);
+  const bool concat = l == 0;
+
+  const bool fast = fast_first_layer<FC>(p, l);
+  ws.grad_out.resize(Tn * F);
+  ws.grad_g.resize(H * S * F);
+  ws.grad_alpha.resize(std::max<index_t>(E, 1));
+  ws.grad_s_target.resize(Tn);
+  ws.grad_s_source.resize(S);
+  if (grad_input != nullptr) std::fill(grad_input, grad_input + S * fin, T(0));
+  for (index_t k = 0; k < H; ++k) {
+    // ∂L/∂out^k: through ELU (concatenated heads) or the mean of the heads.
+    T* dout = ws.grad_out.data();
+    const T* pre = c.pre.data() + k * Tn * F;
+    for (index_t i = 0; i < Tn; ++i) {
+      for (index_t f = 0; f < F; ++f) {
+        if (concat) {
+          const T d = grad_output[i * H * F + k * F + f], x = pre[i * F + f];
+          dout[i * F + f] = x > T(0) ? d : d * exp_scalar(std::min(x, T(0)));
+        } else {
+          dout[i * F + f] = grad_output[i * F + f] / static_cast<T>(H);
+        }
+      }
+    }
+    {
+      T acc[KM] = {};
+      for (index_t i = 0; i < Tn; ++i)
+        for (index_t f = 0; f < F; ++f) acc[f] += dout[i * F + f];
+      std::copy(acc, acc + F, g.bias + k * F);
+    }
+
+    // Aggregation: ∂L/∂α_ij = mask_ij ∂L/∂out_i · dropout(g_j); ∂L/∂g_j = mask_j Σ_i dropout(α_ij) ∂L/∂out_i.
+    const T* alpha = c.alpha.data() + k * E;
+    const T* am = dropout ? c.alpha_mask.data() + k * E : nullptr;
+    const T* gd = (dropout ? c.g_dropped.data() : c.g.data()) + k * S * F;
+    const T* gk = c.g.data() + k * S * F;
+    T* dg = ws.grad_g.data() + k * S * F;
+    std::fill(dg, dg + S * F, T(0));
+    for (index_t i = 0; i < Tn; ++i) {
+      const T* di = dout + i * F;
+      if constexpr (FC == 8) {  // 8 features: one vector each; the dot product's lanes summed pairwise
+        const Vec8<T> dv = load8(di);
+        for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
+          const index_t j = b.source[e];
+          const T a = am ? alpha[e] * am[e] : alpha[e];
+          const Vec8<T> prod = dv * load8(gd + j * 8);
+          const T da = sum8<T>(prod);
+          ws.grad_alpha[e] = am ? da * am[e] : da;
+          store8(dg + j * 8, load8(dg + j * 8) + a * dv);
+        }
+        continue;
+      }
+      for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
+        const index_t j = b.source[e];
+        const T a = am ? alpha[e] * am[e] : alpha[e];
+        const T da = dot(di, gd + j * F, F);
+        ws.grad_alpha[e] = am ? da * am[e] : da;
+        T* dgj = dg + j * F;
+        for (index_t f = 0; f < F; ++f) dgj[f] += a * di[f];
+      }
+    }
+    if (dropout) {
+      const T* gm = c.g_mask.data() + k * S * F;
+      for (index_t i = 0; i < S * F; ++i) dg[i] = dg[i] * gm[i];
+    }
+
+    // Softmax: ∂L/∂e = α ∘ (∂L/∂α - Σ_segment α ∘ ∂L/∂α); LeakyReLU; then the two halves of the score.
+    const T* z = c.z.data() + k * E;
+    std::fill(ws.grad_s_source.begin(), ws.grad_s_source.end(), T(0));
+    for (index_t i = 0; i < Tn; ++i) {
+      const index_t begin = b.crow[i], end = b.crow[i + 1];
+      T total = T(0);
+      for (index_t e = begin; e < end; ++e) total += ws.grad_alpha[e] * alpha[e];
+      T st = T(0);
+      for (index_t e = begin; e < end; ++e) {
+        const T de = ws.grad_alpha[e] * alpha[e] - alpha[e] * total;
+        const T dz = z[e] > T(0) ? de : de * slope;
+        st += dz;
+        ws.grad_s_source[b.source[e]] += dz;
+      }
+      ws.grad_s_target[i] = st;
+    }
+    const T* at = w.a_target + k * F;
+    const T* as = w.a_source + k * F;
+    T bt = T(0), bs = T(0);
+    T acc_t[KM] = {}, acc_s[KM] = {};
+    for (index_t i = 0; i < Tn; ++i) {
+      const T d = ws.grad_s_target[i];
+      const index_t j = b.target_in_source[i];
+      bt += d;
+      for (index_t f = 0; f < F; ++f) {
+        acc_t[f] += d * gk[j * F + f];
+        dg[j * F + f] += d * at[f];
+      }
+    }
+    for (index_t j = 0; j < S; ++j) {
+      const T d = ws.grad_s_source[j];
+      bs += d;
+      for (index_t f = 0; f < F; ++f) {
+        acc_s[f] += d * gk[j * F + f];
+        dg[j * F + f] += d * as[f];
+      }
+    }
+    std::copy(acc_t, acc_t + F, g.a_target + k * F);
+    std::copy(acc_s, acc_s + F, g.a_source + k * F);
+    g.b_target[k] = bt;
+    g.b_source[k] = bs;
+
+    // g = W^k · dropout_k(h): ∂L/∂W^k = dropout_k(h)^T ∂L/∂g; ∂L/∂h = mask_k ∘ (∂L/∂g W^k^T).
+    if (fast) continue;  // after the loop over the heads, for all of them at once
+    T* dW = g.W + k * fin * F;
+    std::fill(dW, dW + fin * F, T(0));
+    if (l == 0) {
+      const T* values = c.input.data() + k * p.nnz;
+      for (index_t j = 0; j < S; ++j) {
+        T dgj[KM];
+        std::copy(dg + j * F, dg + j * F + F, dgj);
+        for (index_t e = p.x_crow[j]; e < p.x_crow[j + 1]; ++e) {
+          const T v = values[e];
+          T* row = dW + p.x_col[e] * F;
+          for (index_t f = 0; f < F; ++f) row[f] += v * dgj[f];
+        }
+      }
+    } else if (fin % 8 == 0) {
+      // The same sums as below, in the same order, 8 input features per vector: ∂L/∂W^k accumulated
+      // transposed ([F', F_in]), and ∂L/∂h_j = Σ_f ∂L/∂g_jf W^k[:, f].
+      const T* Wk = w.W + k * fin * F;
+      const T* mask = dropout ? c.input_mask.data() + k * S * fin : nullptr;
+      ws.weights_t2.resize(F * fin);
+      for (index_t q = 0; q < fin; ++q)
+        for (index_t f = 0; f < F; ++f) ws.weights_t2[f * fin + q] = Wk[q * F + f];
+      ws.grad_weights_t.assign(F * fin, T(0));
+      for (index_t j = 0; j < S; ++j) {
+        const T* hj = c.head_input(k, S * fin) + j * fin;
+        const T* dgj = dg + j * F;
+        for (index_t f = 0; f < F; ++f) {
+          T* row = ws.grad_weights_t.data() + f * fin;
+          for (index_t q = 0; q < fin; q += 8) store8(row + q, load8(row + q) + load8(hj + q) * dgj[f]);
+        }
+        if (grad_input == nullptr) continue;
+        for (index_t q = 0; q < fin; q += 8) {
+          Vec8<T> d = {};
+          for (index_t f = 0; f < F; ++f) d += load8(ws.weights_t2.data() + f * fin + q) * dgj[f];
+          if (mask) d = d * load8(mask + j * fin + q);
+          store8(grad_input + j * fin + q, load8(grad_input + j * fin + q) + d);
+        }
+      }
+      for (index_t q = 0; q < fin; ++q)
+        for (index_t f = 0; f < F; ++f) dW[q * F + f] = ws.grad_weights_t[f * fin + q];
+    } else {
+      const T* Wk = w.W + k * fin * F;
+      const T* mask = dropout ? c.input_mask.data() + k * S * fin : nullptr;
+      for (index_t j = 0; j < S; ++j) {
+        const T* hj = c.head_input(k, S * fin) + j * fin;
+        T dgj[KM];
+        std::copy(dg + j * F, dg + j * F + F, dgj);
+        for (index_t q = 0; q < fin; ++q) {
+          T* row = dW + q * F;
+          const T v = hj[q];
+          for (index_t f = 0; f < F; ++f) row[f] += v * dgj[f];
+          if (grad_input != nullptr) {
+            const T d = dot(Wk + q * F, dgj, F);
+            grad_input[j * fin + q] += mask ? d * mask[j * fin + q] : d;
+          }
+        }
+      }
+    }
+  }
+  if (fast) first_layer_weight_grad(p, c, ws, g.W);
+}
+
+// ∂L/∂W of the paper's first layer, all heads of a stored feature at once, into `grad_W` (zeroed by the caller).
+template <typename T>
+void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W) {
+  const index_t S = p.block[0].sources, fin = p.f_in, nnz = p.nnz;
+  const bool dropout = !c.alpha_mask.empty();
+  const T* x = static_cast<const T*>(p.x_val);
+  using V = Vec8<T>;
+  ws.weights_t.assign(fin * 64, T(0));
+  for (index_t j = 0; j < S; ++j) {
+    V d[8];
+    for (int k = 0; k < 8; ++k) d[k] = load8(ws.grad_g.data() + (k * S + j) * 8);
+    for (index_t e = p.x_crow[j]; e < p.x_crow[j + 1]; ++e) {
+      T* row = ws.weights_t.data() + p.x_col[e] * 64;
+      for (int k = 0; k < 8; ++k) {
+        const T v = dropout ? c.input[k * nnz + e] : x[e];
+        store8(row + k * 8, load8(row + k * 8) + v * d[k]);
+      }
+    }
+  }
+  for (index_t q = 0; q < fin; ++q)
+    for (int k = 0; k < 8; ++k) store8(grad_W + (k * fin + q) * 8, load8(ws.weights_t.data() + q * 64 + k * 8));
+}
+
+// Layers with F' = 8 (the paper's hidden layer) or the class counts of the Planetoid datasets get a build of
+// their own (registers for the per-head vectors); others take the general one.
+template <typename T, typename... Args>
+void layer_forward_any(const Problem& p, int l, Args&&... args) {
+  switch (p.hidden[l]) {
+    case 8: return layer_forward<T, 8>(p, l, args...);
+    case 7: return layer_forward<T, 7>(p, l, args...);
+    case 6: return layer_forward<T, 6>(p, l, args...);
+    case 3: return layer_forward<T, 3>(p, l, args...);
+    default: return layer_forward<T, 0>(p, l, args...);
+  }
+}
+
+template <typename T, typename... Args>
+void layer_backward_any(const Problem& p, int l, Args&&... args) {
+  switch (p.hidden[l]) {
+    case 8: return layer_backward<T, 8>(p, l, args...);
+    case 7: return layer_backward<T, 7>(p, l, args...);
+    case 6: return layer_backward<T, 6>(p, l, args...);
+    case 3: return layer_backward<T, 3>(p, l, args...);
+    default: return layer_backward<T, 0>(p, l, args...);
+  }
+}
+
+// Mean cross-entropy and accuracy over the last block's targets; optionally ∂loss/∂logits.
+template <typename T>
+void loss_and_accuracy(const Problem& p, const T* logits, T* loss, double* accuracy, T* grad) {
+  const index_t M = p.block[1].targets, C = p.hidden[1];
+  T total = T(0);
+  index_t correct = 0;
+  for (index_t i = 0; i < M; ++i) {
+    const T* x = logits + i * C;
+    index_t best = 0;
+    for (index_t c = 1; c < C; ++c) best = x[c] > x[best] ? c : best;
+    correct += best == p.labels[i];
+    T sum = T(0);
+    for (index_t c = 0; c < C; ++c) sum += std::exp(x[c] - x[best]);
+    const T log_sum = std::log(sum) + x[best];
+    total += log_sum - x[p.labels[i]];
+    if (grad != nullptr) {
+      for (index_t c = 0; c < C; ++c) {
+        const T probability = std::exp(x[c] - log_sum);
+        grad[i * C + c] = ((c == p.labels[i]) ? probability - T(1) : probability) / static_cast<T>(M);
+      }
+    }
+  }
+  *loss = total / static_cast<T>(M);
+  *accuracy = static_cast<double>(correct) / static_cast<double>(M);
+}
+
+template <typename T>
+LayerParams<T> layer_params(const Problem& p, int l, void* const* params, index_t r) {
+  const T* v[kParams];
+  for (int i = 0; i < kParams; ++i) v[i] = static_cast<const T*>(params[l * kParams + i]) + r * param_numel(p, l, i);
+  return {v[0], v[1], v[2], v[3], v[4], v[5]};
+}
+
+template <typename T>
+LayerGrads<T> layer_grads(const Problem& p, int l, T* base) {
+  T* v[kParams];
+  for (int i = 0; i < kParams; ++i) {
+    v[i] = base;
+    base += param_numel(p, l, i);
+  }
+  return {v[0], v[1], v[2], v[3], v[4], v[5]};
+}
+
+index_t replica_numel(const Problem& p) {
+  index_t n = 0;
+  for (int l = 0; l < 2; ++l)
+    for (int i = 0; i < kParams; ++i) n += param_numel(p, l, i);
+  return n;
+}
+
+template <typename T>
+void forward(const Problem& p, void* const* params, index_t r, bool training, const Dropout& drop, void* state,
+             Workspace<T>& ws) {
+  const index_t T1 = p.block[0].targets, hidden = p.heads[0] * p.hidden[0];
+  ws.hidden.resize(T1 * hidden);
+  ws.logits.resize(p.block[1].targets * p.hidden[1]);
+  layer_forward_any<T>(p, 0, layer_params<T>(p, 0, params, r), nullptr, training, drop, state, ws, ws.hidden.data());
+  layer_forward_any<T>(p, 1, layer_params<T>(p, 1, params, r), ws.hidden.data(), training, drop, state, ws,
+                   ws.logits.data());
+}
+
+// Adam as torch.optim.Adam (single-tensor, coupled weight decay) applies it, operation by operation.
+void adam_update(const Adam& a, float* param, float* exp_avg, float* exp_avg_sq, const float* grad, index_t n) {
+  const float weight_decay = static_cast<float>(a.weight_decay);
+  const float weight = static_cast<float>(1.0 - a.beta1), beta2 = static_cast<float>(a.beta2);
+  const float one_minus_beta2 = static_cast<float>(1.0 - a.beta2), eps = static_cast<float>(a.eps);
+  const double bias_correction1 = 1.0 - std::pow(a.beta1, a.step);
+  const float step_size = static_cast<float>(-(a.lr / bias_correction1));
+  const float bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(a.beta2, a.step)));
+  for (index_t i = 0; i < n; ++i) {
+    // torch's vectorised CPU kernels for add(alpha=) and lerp compute these two with a fused multiply-add.
+    const float g = std::fma(weight_decay, param[i], grad[i]);
+    exp_avg[i] = std::fma(weight, g - exp_avg[i], exp_avg[i]);  // lerp with a weight below 0.5
+    exp_avg_sq[i] = exp_avg_sq[i] * beta2 + one_minus_beta2 * g * g;
+    const float denom = std::sqrt(exp_avg_sq[i]) / bias_correction2_sqrt + eps;
+    param[i] = param[i] + step_size * exp_avg[i] / denom;
+  }
+}
+
+template <typename T>
+void train_replica(const Problem& p, index_t r, void* const* params, void* const* exp_avg, void* const* exp_avg_sq,
+                   const Adam* adam, const Dropout& drop, T* loss, double* accuracy, T* logits_out,
+                   void* const* grads_out, Workspace<T>& ws) {
+  void* state = drop.next != nullptr ? drop.states[r] : nullptr;
+  forward<T>(p, params, r, true, drop, state, ws);
+  const index_t M = p.block[1].targets, C = p.hidden[1];
+  ws.grad_logits.resize(M * C);
+  loss_and_accuracy<T>(p, ws.logits.data(), loss + r, accuracy + r, ws.grad_logits.data());
+  if (logits_out != nullptr) std::copy(ws.logits.begin(), ws.logits.end(), logits_out + r * M * C);
+
+  const index_t numel = replica_numel(p);
+  ws.grads.assign(numel, T(0));
+  const LayerGrads<T> g0 = layer_grads<T>(p, 0, ws.grads.data());
+  const LayerGrads<T> g1 = layer_grads<T>(p, 1, g0.bias + param_numel(p, 0, 5));
+  ws.grad_hidden.resize(p.block[0].targets * p.heads[0] * p.hidden[0]);
+  layer_backward_any<T>(p, 1, layer_params<T>(p, 1, params, r), ws.grad_logits.data(), ws, g1, ws.grad_hidden.data());
+  layer_backward_any<T>(p, 0, layer_params<T>(p, 0, params, r), ws.grad_hidden.data(), ws, g0, nullptr);
+
+  const T* grad = ws.grads.data();
+  for (int l = 0; l < 2; ++l) {
+    for (int i = 0; i < kParams; ++i) {
+      const index_t n = param_numel(p, l, i);
+      const int which = l * kParams + i;
+      if (grads_out != nullptr) std::copy(grad, grad + n, static_cast<T*>(grads_out[which]) + r * n);
+      if constexpr (sizeof(T) == sizeof(float)) {
+        if (adam != nullptr) {
+          adam_update(*adam, static_cast<float*>(params[which]) + r * n, static_cast<float*>(exp_avg[which]) + r * n,
+                      static_cast<float*>(exp_avg_sq[which]) + r * n, grad, n);
+        }
+      }
+      grad += n;
+    }
+  }
+}
+
+// Runs body(r) for r in [0, R) on up to `threads` threads; replica r always runs whole on one thread.
+template <typename Body>
+int for_replicas(index_t R, int threads, Body body) {
+  threads = static_cast<int>(std::max<index_t>(1, std::min<index_t>(threads, R)));
+  std::vector<int> failed(threads, 0);
+  auto run = [&](int t) {
+    try {
+      for (index_t r = t; r < R; r += threads) body(r);
+    } catch (const std::exception&) {
+      failed[t] = 1;
+    }
+  };
+  if (threads == 1) {
+    run(0);
+  } else {
+    std::vector<std::thread> pool;
+    for (int t = 1; t < threads; ++t) pool.emplace_back(run, t);
+    run(0);
+    for (auto& thread : pool) thread.join();
+  }
+  return *std::max_element(failed.begin(), failed.end());
+}
+
+template <typename T>
+Workspace<T>& workspace() {
+  thread_local Workspace<T> ws;  // kept between calls of the calling thread: no page faults on every step
+  return ws;
+}
+
+template <typename T>
+int train_step(const Problem* p, index_t R, void* const* params, void* const* exp_avg, void* const* exp_avg_sq,
+               const Adam* adam, const Dropout* drop, T* loss, double* accuracy, T* logits_out,
+               void* const* grads_out, int threads) {
+  return for_replicas(R, threads, [&](index_t r) {
+    train_replica<T>(*p, r, params, exp_avg, exp_avg_sq, adam, *drop, loss, accuracy, logits_out, grads_out,
+                     workspace<T>());
+  });
+}
+
+template <typename T>
+int evaluate(const Problem* p, index_t R, void* const* params, T* loss, double* accuracy, T* logits_out,
+             int threads) {
+  const Dropout none{nullptr, nullptr, 0, 0, 1.0f};
+  return for_replicas(R, threads, [&](index_t r) {
+    Workspace<T>& ws = workspace<T>();
+    forward<T>(*p, params, r, false, none, nullptr, ws);
+    loss_and_accuracy<T>(*p, ws.logits.data(), loss + r, accuracy + r, nullptr);
+    if (logits_out != nullptr) {
+      const index_t n = p->block[1].targets * p->hidden[1];
+      std::copy(ws.logits.begin(), ws.logits.end(), logits_out + r * n);
+    }
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+// The layout of the structures above, for gat/fused.py to check its ctypes mirrors against.
+int64_t gat_abi_sizes(int which) {
+  switch (which) {
+    case 0: return sizeof(Problem);
+    case 1: return sizeof(Dropout);
+    case 2: return sizeof(Adam);
+    default: return -1;
+  }
+}
+
+// One training step of R replicas: float32 parameters updated in place by Adam (when `adam` is not null);
+// loss [R] and accuracy [R] before the step, under dropout. `logits_out` [R, T2, C] and `grads_out`
+// (12 pointers to [R, ...] buffers, the parameters' order) are for tests, and may be null. Returns 0, or 1 on failure.
+int gat_train_step_f32(const Problem* p, int64_t R, void* const* params, void* const* exp_avg,
+                       void* const* exp_avg_sq, const Adam* adam, const Dropout* drop, float* loss,
+                       double* accuracy, float* logits_out, void* const* grads_out, int threads) {
+  return train_step<float>(p, R, params, exp_avg, exp_avg_sq, adam, drop, loss, accuracy, logits_out, grads_out,
+                           threads);
+}
+
+// The same forward and backward pass in float64 (no optimiser step), for the double-precision gradient check.
+int gat_train_step_f64(const Problem* p, int64_t R, void* const* params, const Dropout* drop, double* loss,
+                       double* accuracy, double* logits_out, void* const* grads_out, int threads) {
+  return train_step<double>(p, R, params, nullptr, nullptr, nullptr, drop, loss, accuracy, logits_out, grads_out,
+                            threads);
+}
+
+// The forward pass without dropout, and the loss and accuracy over the last block's targets.
+int gat_evaluate_f32(const Problem* p, int64_t R, void* const* params, float* loss, double* accuracy,
+                     float* logits_out, int threads) {
+  return evaluate<float>(p, R, params, loss, accuracy, logits_out, threads);
+}
+
+int gat_evaluate_f64(const Problem* p, int64_t R, void* const* params, double* loss, double* accuracy,
+                     double* logits_out, int threads) {
+  return evaluate<double>(p, R, params, loss, accuracy, logits_out, threads);
+}
+
+}  // extern "C"

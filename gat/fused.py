@@ -1,0 +1,380 @@
+"""The fused CPU kernel: a whole training step, or a validation pass, of R replicas in one native call.
+
+gat/csrc/fused.cpp computes the paper's two-layer GAT (gat.model.GAT) for every replica: both layers
+under dropout, the cross-entropy loss, the backward pass of all twelve parameters and torch.optim.Adam's
+update with coupled L2, in place on the model's parameters. The torch implementation (gat.layers,
+gat.training.train_step) stays the reference; `train.optim.kernel: torch` selects it.
+
+Built with the system C++ compiler (`$CXX`, else g++ or c++) into the virtual environment
+(`<sys.prefix>/gat-fused/`, or `$GAT_FUSED_DIR`), once per version of the source: `make` does it before
+anything runs (`python -m gat.fused --build`), and a process that finds no library for the current source
+compiles it itself (a few seconds). Called through ctypes: one C function, no Python or torch headers, so a
+build needs nothing but the compiler.
+
+Dropout masks are drawn inside the kernel from each replica's numpy PCG64 generator
+(gat.dropout.ReplicaDropout) through numpy's C interface, consumed exactly as ReplicaDropout.keep consumes
+it: both kernels draw the same masks from the same seed, and the generators end in the same state.
+
+    python -m gat.fused --build     # build (or find) the library; says why when it cannot
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gat.dropout import ReplicaDropout
+from gat.graph import Neighbourhoods, SparseFeatures
+from gat.model import GAT
+
+SOURCE = Path(__file__).with_name("csrc") / "fused.cpp"
+# No -ffast-math, and no FMA contraction: the kernel keeps torch's order and rounding of each operation.
+# -march=native: the library is built on the machine that runs it (into its virtual environment).
+CXXFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c++17",
+            "-shared", "-fPIC", "-pthread")
+
+
+MAX_FEATURES = 256  # kMaxFeatures of fused.cpp
+
+
+class FusedUnavailable(RuntimeError):
+    """The fused kernel cannot be built or loaded here; the message says why and what falls back."""
+
+
+class FusedFallbackWarning(UserWarning):
+    """Training asked for the fused kernel and runs on the torch kernel instead (shown once per process)."""
+
+
+# The C structures of fused.cpp, field for field.
+class _Block(ctypes.Structure):
+    _fields_ = [("targets", ctypes.c_int64), ("sources", ctypes.c_int64), ("edges", ctypes.c_int64),
+                ("crow", ctypes.c_void_p), ("source", ctypes.c_void_p), ("target_in_source", ctypes.c_void_p)]
+
+
+class _Problem(ctypes.Structure):
+    _fields_ = [("n0", ctypes.c_int64), ("f_in", ctypes.c_int64), ("nnz", ctypes.c_int64),
+                ("x_crow", ctypes.c_void_p), ("x_col", ctypes.c_void_p), ("x_val", ctypes.c_void_p),
+                ("block", _Block * 2), ("heads", ctypes.c_int64 * 2), ("hidden", ctypes.c_int64 * 2),
+                ("labels", ctypes.c_void_p), ("negative_slope", ctypes.c_double)]
+
+
+class _Dropout(ctypes.Structure):
+    _fields_ = [("next", ctypes.c_void_p), ("states", ctypes.c_void_p), ("threshold_top", ctypes.c_uint8),
+                ("threshold_rest", ctypes.c_uint64), ("scale", ctypes.c_float)]
+
+
+class _Adam(ctypes.Structure):
+    _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
+                ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double), ("step", ctypes.c_double)]
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def library_dir() -> Path:
+    """Where built libraries live: $GAT_FUSED_DIR, else the virtual environment (removed by `make clean`)."""
+    return Path(os.environ.get("GAT_FUSED_DIR") or Path(sys.prefix) / "gat-fused")
+
+
+def library_path(compiler: str) -> Path:
+    """One file per source, flags and compiler: an edited fused.cpp is never served a stale build."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(CXXFLAGS).encode(), version.encode()]))
+    return library_dir() / f"gat_fused-{key.hexdigest()[:16]}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """The library for the current source, compiled unless it is there already. Raises FusedUnavailable."""
+    if os.environ.get("GAT_FUSED_DISABLE"):
+        raise FusedUnavailable("GAT_FUSED_DISABLE is set")
+    compiler = _compiler()
+    if compiler is None:
+        raise FusedUnavailable("no C++ compiler ($CXX, g++ or c++) on PATH; install g++ to build it")
+    path = library_path(compiler)
+    if path.is_file():
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise FusedUnavailable(f"cannot create {path.parent} ({error.strerror}); set GAT_FUSED_DIR "
+                               "to a writable folder") from None
+    # Compiled under a temporary name and renamed: processes building at once never load half a file.
+    fd, partial = tempfile.mkstemp(prefix=path.stem, suffix=".so.partial", dir=path.parent)
+    os.close(fd)
+    command = [compiler, *CXXFLAGS, str(SOURCE), "-o", partial]
+    if verbose:
+        print(" ".join(command), file=sys.stderr)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(partial)
+        first = (done.stderr.strip().splitlines() or ["no output"])[0]
+        raise FusedUnavailable(f"{compiler} failed to compile {SOURCE.name} (exit {done.returncode}): {first}")
+    os.replace(partial, path)
+    return path
+
+
+_LIBRARY: Any = None
+_UNAVAILABLE: str | None = None
+
+
+def library() -> Any:
+    """The loaded library (built first if need be), once per process. Raises FusedUnavailable."""
+    global _LIBRARY, _UNAVAILABLE
+    if _LIBRARY is not None:
+        return _LIBRARY
+    if _UNAVAILABLE is not None:
+        raise FusedUnavailable(_UNAVAILABLE)
+    try:
+        lib = ctypes.CDLL(str(build()))
+        lib.gat_abi_sizes.restype = ctypes.c_int64
+        for which, structure in ((0, _Problem), (1, _Dropout), (2, _Adam)):
+            if lib.gat_abi_sizes(which) != ctypes.sizeof(structure):
+                raise FusedUnavailable(f"{structure.__name__} of gat/fused.py does not match fused.cpp's layout")
+    except FusedUnavailable as error:
+        _UNAVAILABLE = str(error)
+        raise
+    except OSError as error:
+        _UNAVAILABLE = f"cannot load the built library: {error}"
+        raise FusedUnavailable(_UNAVAILABLE) from None
+    pointer = ctypes.c_void_p
+    lib.gat_train_step_f32.argtypes = [pointer, ctypes.c_int64, *[pointer] * 9, ctypes.c_int]
+    lib.gat_train_step_f64.argtypes = [pointer, ctypes.c_int64, *[pointer] * 6, ctypes.c_int]
+    lib.gat_evaluate_f32.argtypes = [pointer, ctypes.c_int64, *[pointer] * 4, ctypes.c_int]
+    lib.gat_evaluate_f64.argtypes = [pointer, ctypes.c_int64, *[pointer] * 4, ctypes.c_int]
+    for function in ("gat_train_step_f32", "gat_train_step_f64", "gat_evaluate_f32", "gat_evaluate_f64"):
+        getattr(lib, function).restype = ctypes.c_int
+    _LIBRARY = lib
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    """None when the fused kernel can run here, else why not."""
+    try:
+        library()
+    except FusedUnavailable as error:
+        return str(error)
+    return None
+
+
+def _address(tensor: Tensor) -> int:
+    return tensor.data_ptr()
+
+
+def _pointers(tensors: Sequence[Tensor]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*[_address(t) for t in tensors])
+
+
+@dataclass
+class Plan:
+    """A NodeView (or a whole graph) as the kernel reads it: int64 indices, contiguous, kept alive here.
+
+    Shapes: as gat.graph.Neighbourhoods and SparseFeatures; labels: [T2] of the last block's targets
+    """
+
+    problem: _Problem
+    keep: tuple[Tensor, ...]
+    outputs: int  # T2: the nodes whose loss and accuracy the kernel reports
+    classes: int
+
+    @classmethod
+    def of(cls, x: SparseFeatures, blocks: Sequence[Neighbourhoods], labels: Tensor, heads: tuple[int, int],
+           hidden: tuple[int, int], negative_slope: float, dtype: torch.dtype = torch.float32) -> "Plan":
+        if len(blocks) != 2:
+            raise ValueError(f"the fused kernel computes the two-layer GAT, got {len(blocks)} blocks")
+        if max(hidden) > MAX_FEATURES:
+            raise FusedUnavailable(f"the fused kernel takes at most {MAX_FEATURES} features per head, "
+                                   f"got {max(hidden)}")
+        keep: list[Tensor] = []
+
+        def held(t: Tensor, kind: torch.dtype = torch.int64) -> int:
+            t = t.detach().to("cpu", kind).contiguous()
+            keep.append(t)
+            return _address(t)
+
+        c_blocks = []
+        for b in blocks:
+            into = torch.arange(b.num_targets) if b.target_in_source is None else b.target_in_source
+            c_blocks.append(_Block(b.num_targets, b.num_sources, b.num_edges, held(b.crow), held(b.source),
+                                   held(into)))
+        if blocks[0].num_sources != x.num_nodes or blocks[1].num_sources != blocks[0].num_targets:
+            raise ValueError("the blocks do not chain: layer 1's sources must be x's rows, layer 2's its targets")
+        if labels.numel() != blocks[1].num_targets:
+            raise ValueError(f"{labels.numel()} labels for {blocks[1].num_targets} output nodes")
+        problem = _Problem(x.num_nodes, x.num_features, x.nnz, held(x.crow), held(x.col), held(x.values, dtype),
+                           (_Block * 2)(*c_blocks), (ctypes.c_int64 * 2)(*heads), (ctypes.c_int64 * 2)(*hidden),
+                           held(labels), negative_slope)
+        return cls(problem, tuple(keep), blocks[1].num_targets, hidden[1])
+
+
+def _dropout(noise: ReplicaDropout | None) -> tuple[_Dropout, Any]:
+    """The kernel's view of ReplicaDropout: numpy's next_uint64 and each replica's generator state."""
+    if noise is None:
+        return _Dropout(None, None, 0, 0, 1.0), None
+    interfaces = [g.bit_generator.ctypes for g in noise.generators]
+    states = (ctypes.c_void_p * len(interfaces))(*[i.state_address for i in interfaces])
+    next_uint64 = {ctypes.cast(i.next_uint64, ctypes.c_void_p).value for i in interfaces}
+    if len(next_uint64) != 1 or any(type(g.bit_generator) is not np.random.PCG64 for g in noise.generators):
+        raise FusedUnavailable("the fused kernel draws from PCG64 generators only")
+    return (_Dropout(next_uint64.pop(), ctypes.addressof(states), int(noise.threshold_top),
+                     int(noise.threshold_rest), float(noise.scale)), states)
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"the fused kernel failed in {what} (out of memory?)")
+
+
+def model_plan(model: GAT, x: SparseFeatures, blocks: Sequence[Neighbourhoods], labels: Tensor,
+               dtype: torch.dtype = torch.float32) -> Plan:
+    """The plan of `model` (a gat.model.GAT) on one NodeView's structures."""
+    hidden_layer, output_layer = model.hidden, model.output
+    return Plan.of(x, blocks, labels, (hidden_layer.n_heads, output_layer.n_heads),
+                   (hidden_layer.n_hidden, output_layer.n_hidden), hidden_layer.negative_slope, dtype)
+
+
+def forward_backward(model: GAT, plan: Plan, noise: ReplicaDropout | None, dtype: torch.dtype = torch.float32,
+                     threads: int = 1) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """Loss [R], accuracy [R], logits [T2, R, C] and the gradient of the summed loss for every parameter.
+
+    No optimiser step; the parameters are read in `dtype` (float32, or float64 for the gradient check).
+    """
+    lib = library()
+    parameters = [p.detach().to(dtype).contiguous() for p in model.parameters()]
+    R = parameters[0].shape[0]
+    grads = [torch.empty_like(p) for p in parameters]
+    loss = torch.empty(R, dtype=dtype)
+    accuracy = torch.empty(R, dtype=torch.float64)
+    logits = torch.empty(R, plan.outputs, plan.classes, dtype=dtype)
+    drop, _states = _dropout(noise)
+    args = (ctypes.byref(plan.problem), R, _pointers(parameters))
+    if dtype == torch.float32:
+        status = lib.gat_train_step_f32(*args, None, None, None, ctypes.byref(drop), _address(loss),
+                                        _address(accuracy), _address(logits), _pointers(grads), threads)
+    else:
+        status = lib.gat_train_step_f64(*args, ctypes.byref(drop), _address(loss), _address(accuracy),
+                                        _address(logits), _pointers(grads), threads)
+    _check(status, "forward_backward")
+    return loss, accuracy, logits.transpose(0, 1), grads
+
+
+def forward(model: GAT, plan: Plan, dtype: torch.dtype = torch.float32,
+            threads: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """Without dropout: loss [R], accuracy [R] and logits [T2, R, C]."""
+    lib = library()
+    parameters = [p.detach().to(dtype).contiguous() for p in model.parameters()]
+    R = parameters[0].shape[0]
+    loss = torch.empty(R, dtype=dtype)
+    accuracy = torch.empty(R, dtype=torch.float64)
+    logits = torch.empty(R, plan.outputs, plan.classes, dtype=dtype)
+    run = lib.gat_evaluate_f32 if dtype == torch.float32 else lib.gat_evaluate_f64
+    _check(run(ctypes.byref(plan.problem), R, _pointers(parameters), _address(loss), _address(accuracy),
+               _address(logits), threads), "forward")
+    return loss, accuracy, logits.transpose(0, 1)
+
+
+class FusedTrainer:
+    """Adam (coupled L2) on a GAT's parameters, stepped by the fused kernel; gat.training.train drives it.
+
+    The model's parameters are updated in place, so checkpoints and the restored model work as with the
+    torch kernel. The Adam moments live here, one [R, ...] tensor per parameter, as torch.optim.Adam keeps
+    them; `keep` shrinks them with the batch. Replicas run on up to torch.get_num_threads() threads, each
+    replica whole on one thread: the result does not depend on the thread count.
+
+    Shapes: step() and validate() -> loss [R] float32, accuracy [R] float64
+    """
+
+    betas = (0.9, 0.999)
+    eps = 1e-8
+
+    def __init__(self, model: GAT, lr: float, weight_decay: float, train_view: Any, val_view: Any):
+        self.lib = library()
+        self.model, self.lr, self.weight_decay = model, lr, weight_decay
+        self.train_plan = model_plan(model, train_view.x, train_view.blocks, train_view.labels)
+        self.val_plan = model_plan(model, val_view.x, val_view.blocks, val_view.labels)
+        for p in model.parameters():
+            if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
+                raise FusedUnavailable(f"the fused kernel trains contiguous float32 CPU parameters, got "
+                                       f"{p.dtype} on {p.device}")
+        self.exp_avg = [torch.zeros_like(p) for p in model.parameters()]
+        self.exp_avg_sq = [torch.zeros_like(p) for p in model.parameters()]
+        self.steps = 0
+
+    def step(self, noise: ReplicaDropout | None) -> tuple[Tensor, Tensor]:
+        """One training step of every replica: loss and accuracy before it, under dropout."""
+        parameters = [p.data for p in self.model.parameters()]
+        R = parameters[0].shape[0]
+        self.steps += 1
+        adam = _Adam(self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay, float(self.steps))
+        loss, accuracy = torch.empty(R), torch.empty(R, dtype=torch.float64)
+        drop, _states = _dropout(noise)
+        _check(self.lib.gat_train_step_f32(
+            ctypes.byref(self.train_plan.problem), R, _pointers(parameters), _pointers(self.exp_avg),
+            _pointers(self.exp_avg_sq), ctypes.byref(adam), ctypes.byref(drop), _address(loss), _address(accuracy),
+            None, None, torch.get_num_threads()), "the training step")
+        return loss, accuracy
+
+    def validate(self) -> tuple[Tensor, Tensor]:
+        """The validation pass: no dropout, loss and accuracy on the validation nodes."""
+        parameters = [p.data for p in self.model.parameters()]
+        R = parameters[0].shape[0]
+        loss, accuracy = torch.empty(R), torch.empty(R, dtype=torch.float64)
+        _check(self.lib.gat_evaluate_f32(ctypes.byref(self.val_plan.problem), R, _pointers(parameters),
+                                         _address(loss), _address(accuracy), None, torch.get_num_threads()),
+               "the validation pass")
+        return loss, accuracy
+
+    def keep(self, replicas: Tensor, noise: ReplicaDropout | None) -> None:
+        """Shrink the batch to the listed replicas: parameters, Adam moments and dropout streams."""
+        self.model.keep_replicas(replicas)
+        self.exp_avg = [m[replicas].contiguous() for m in self.exp_avg]
+        self.exp_avg_sq = [v[replicas].contiguous() for v in self.exp_avg_sq]
+        if noise is not None:
+            noise.select(replicas)
+
+
+_FALLBACK_SAID = False
+
+
+def fallback_warning(reason: str) -> None:
+    """Say once per process that training runs on the torch kernel, and why (a FusedFallbackWarning)."""
+    global _FALLBACK_SAID
+    if not _FALLBACK_SAID:
+        _FALLBACK_SAID = True
+        warnings.warn(f"the fused kernel is unavailable ({reason}); training with the torch kernel instead",
+                      FusedFallbackWarning, stacklevel=3)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m gat.fused", description=__doc__.split("\n")[0])
+    parser.add_argument("--build", action="store_true", help="build the library now (make does)")
+    parser.parse_args(argv)
+    try:
+        path = build(verbose=True)
+        library()
+    except FusedUnavailable as error:
+        # Not an error for make: training falls back to the torch kernel and says so.
+        print(f"gat.fused: not built ({error}); `kernel: fused` will train with the torch kernel", file=sys.stderr)
+        return
+    print(f"gat.fused: {path}")
+
+
+if __name__ == "__main__":
+    main()
