@@ -64,6 +64,7 @@ from gat.graph import Neighbourhoods
 from gat.model import GAT
 from gat.training import GraphTensors, NodeView, evaluate, loss_and_accuracy, train, train_step
 from stages._common import StageError, write_json
+from stages._seeds import worker_facts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATASET = "cora"
@@ -613,22 +614,12 @@ def reproduce_throughput(graph: Graph, seeds: int, epochs: int, rounds: int) -> 
             "target": FUSED_SPEEDUP_TARGET, "met": bool(speedup >= FUSED_SPEEDUP_TARGET)}
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine() -> dict:
     """Where the numbers come from."""
     import torch_geometric
 
     return {
-        "cpu_model": cpu_model(),
+        "cpu_model": worker_facts()["cpu_model"],
         "logical_cores": os.cpu_count(),
         "physical_cores": psutil.cpu_count(logical=False),
         "memory_gb": psutil.virtual_memory().total / 2**30,

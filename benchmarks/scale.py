@@ -134,7 +134,8 @@ def _hms(seconds: float) -> str:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from benchmarks.engine import cpu_model, default_data_dir
+    from benchmarks.engine import default_data_dir
+    from stages._seeds import worker_facts
 
     data_dir = args.data_dir or default_data_dir()
     with tempfile.TemporaryDirectory(prefix="gat-scale-") as scratch:
@@ -173,7 +174,8 @@ def measure(args: argparse.Namespace) -> dict:
                   "batches_per_stage": batches},
         "ablation": {"configs": args.configs, "seeds": args.seeds, "datasets": args.datasets,
                      "stage_runs": stage_runs, "by_workers": estimates},
-        "machine": {"cpu_model": cpu_model(), "logical_cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"cpu_model": worker_facts()["cpu_model"], "logical_cores": os.cpu_count(),
+                    "python": platform.python_version()},
     }
 
 
