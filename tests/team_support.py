@@ -10,12 +10,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +24,7 @@ import pytest
 
 from pipeline_support import REPO, TINY, VENV_BIN, Pipeline, clean_env, copy_project
 from stages._tracking import REPRODUCE_EXPERIMENT
-from team.backend import Settings, State, s3_client
+from team.backend import Settings, State, running, s3_client
 
 
 @dataclass
@@ -59,8 +57,6 @@ class TeamBackend:
                               cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
 
     def pids(self) -> dict[str, int | None]:
-        from team.backend import running
-
         return running(self.state)
 
 
@@ -95,10 +91,7 @@ def team_backend() -> Iterator[TeamBackend]:
                 else:
                     os.environ[key] = value
     finally:
-        from team.backend import running
-
-        pids = {name: pid for name, pid in running(state).items() if pid}
-        groups = [proc for pid in pids.values() for proc in _family(pid)]
+        groups = [proc for pid in running(state).values() if pid for proc in _family(pid)]
         stopped = subprocess.run([str(VENV_BIN / "python"), "-m", "team", "down", "--state", str(root)], cwd=REPO,
                                  env=clean_env(), capture_output=True, text=True, timeout=120)
         leftovers = [proc for proc in groups if _alive(proc)]
@@ -174,11 +167,3 @@ def server_runs(backend: TeamBackend, experiment: str) -> list:
     if found is None:
         return []
     return client.search_runs([found.experiment_id], order_by=["start_time ASC"], max_results=5000)
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
-__all__ = ["TeamBackend", "seaweedfs_stopped", "server_runs", "team_backend", "team_pipeline",
-           "with_team_remote", "read_json"]
