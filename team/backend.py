@@ -236,47 +236,52 @@ def _wait(condition: Callable[[], bool], timeout: float, interval: float = 0.2) 
 
 
 def stop_server(state: State, name: str) -> bool:
-    """Stop one server by its recorded PID: SIGTERM to its process group (PostgreSQL: SIGINT, a fast
-    shutdown), SIGKILL after STOP_TIMEOUT_S. Whether it was running."""
+    """Stop one server by its recorded PID, SIGKILL after STOP_TIMEOUT_S; whether it was running.
+
+    PostgreSQL gets SIGINT (a fast shutdown), and its postmaster stops its own children. The others get SIGTERM
+    to their process group, theirs alone (each runs in a session of its own): the mlflow CLI and its uvicorn
+    workers, or weed.
+    """
     pid = _recorded_pid(state, name)
-    if pid is None:
-        (state.pids / f"{name}.json").unlink(missing_ok=True)
-        return False
-    gone = lambda: _started_at(pid) is None or _is_zombie(pid)  # noqa: E731
-    if name == "postgres":
-        os.kill(pid, signal.SIGINT)
-        if not _wait(gone, STOP_TIMEOUT_S):
-            os.kill(pid, signal.SIGKILL)
-    else:
-        os.killpg(pid, signal.SIGTERM)  # the mlflow CLI and its uvicorn workers, or weed: one group each
-        if not _wait(gone, STOP_TIMEOUT_S):
-            os.killpg(pid, signal.SIGKILL)
-        with_group_gone = lambda: not _group_alive(pid)  # noqa: E731
-        if not _wait(with_group_gone, STOP_TIMEOUT_S):
-            os.killpg(pid, signal.SIGKILL)
-    _wait(gone, STOP_TIMEOUT_S)
+    if pid is not None:
+        if name == "postgres":
+            send, first, stopped = os.kill, signal.SIGINT, lambda: not _alive([pid])
+        else:
+            send, first, stopped = os.killpg, signal.SIGTERM, lambda: not _alive(_group(pid))
+        send(pid, first)
+        if not _wait(stopped, STOP_TIMEOUT_S):
+            send(pid, signal.SIGKILL)
+            _wait(stopped, STOP_TIMEOUT_S)
+        say(f"stopped {name} (pid {pid})")
     (state.pids / f"{name}.json").unlink(missing_ok=True)
-    say(f"stopped {name} (pid {pid})")
-    return True
+    return pid is not None
 
 
-def _is_zombie(pid: int) -> bool:
+def _group(pgid: int) -> list[int]:
+    """The processes of a process group."""
     import psutil
 
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return True
+    members = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == pgid:
+                members.append(process.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return members
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _alive(pids: list[int]) -> bool:
+    """Whether any of `pids` still runs: a zombie (exited, not yet reaped by its parent) does not."""
+    import psutil
+
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.Error:
+            continue
+    return False
 
 
 def _spawn(state: State, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
