@@ -68,6 +68,7 @@ class _Block(ctypes.Structure):
 class _Problem(ctypes.Structure):
     _fields_ = [("n0", ctypes.c_int64), ("f_in", ctypes.c_int64), ("nnz", ctypes.c_int64),
                 ("x_crow", ctypes.c_void_p), ("x_col", ctypes.c_void_p), ("x_val", ctypes.c_void_p),
+                ("x_ccol", ctypes.c_void_p), ("x_row", ctypes.c_void_p), ("x_pos", ctypes.c_void_p),
                 ("block", _Block * 2), ("heads", ctypes.c_int64 * 2), ("hidden", ctypes.c_int64 * 2),
                 ("labels", ctypes.c_void_p), ("negative_slope", ctypes.c_double)]
 
@@ -218,7 +219,12 @@ class Plan:
             raise ValueError("the blocks do not chain: layer 1's sources must be x's rows, layer 2's its targets")
         if labels.numel() != blocks[1].num_targets:
             raise ValueError(f"{labels.numel()} labels for {blocks[1].num_targets} output nodes")
+        # x by column as well (CSC: a stable sort keeps the rows ascending within each column), for ∂L/∂W.
+        rows = torch.repeat_interleave(torch.arange(x.num_nodes, device=x.crow.device), x.crow.diff())  # [nnz]
+        by_column = torch.sort(x.col, stable=True).indices  # [nnz]: CSR positions in column order
+        ccol = torch.cat([x.col.new_zeros(1), torch.bincount(x.col, minlength=x.num_features).cumsum(0)])
         problem = _Problem(x.num_nodes, x.num_features, x.nnz, held(x.crow), held(x.col), held(x.values, dtype),
+                           held(ccol), held(rows[by_column]), held(by_column),
                            (_Block * 2)(*c_blocks), (ctypes.c_int64 * 2)(*heads), (ctypes.c_int64 * 2)(*hidden),
                            held(labels), negative_slope)
         return cls(problem, tuple(keep), blocks[1].num_targets, hidden[1])
@@ -316,27 +322,42 @@ class FusedTrainer:
         self.exp_avg = [torch.zeros_like(p) for p in model.parameters()]
         self.exp_avg_sq = [torch.zeros_like(p) for p in model.parameters()]
         self.steps = 0
+        # Pointer arrays for the native calls, made once per batch size (rebuilding them in every call cost more
+        # than a tenth of the validation pass); `keep` replaces the tensors and clears them.
+        self._pointers: tuple[int, Any, Any, Any] | None = None
+        self._dropout: tuple[ReplicaDropout | None, _Dropout, Any] | None = None
+
+    def _tensors(self) -> tuple[int, Any, Any, Any]:
+        """R, and the pointers to the parameters and both Adam moments."""
+        if self._pointers is None:
+            parameters = [p.data for p in self.model.parameters()]
+            self._pointers = (parameters[0].shape[0], _pointers(parameters), _pointers(self.exp_avg),
+                              _pointers(self.exp_avg_sq))
+        return self._pointers
+
+    def _streams(self, noise: ReplicaDropout | None) -> _Dropout:
+        if self._dropout is None or self._dropout[0] is not noise:
+            self._dropout = (noise, *_dropout(noise))  # the states array is kept alive with the structure
+        return self._dropout[1]
 
     def step(self, noise: ReplicaDropout | None) -> tuple[Tensor, Tensor]:
         """One training step of every replica: loss and accuracy before it, under dropout."""
-        parameters = [p.data for p in self.model.parameters()]
-        R = parameters[0].shape[0]
+        R, parameters, exp_avg, exp_avg_sq = self._tensors()
+        drop = self._streams(noise)
         self.steps += 1
         adam = _Adam(self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay, float(self.steps))
         loss, accuracy = torch.empty(R), torch.empty(R, dtype=torch.float64)
-        drop, _states = _dropout(noise)
         _check(self.lib.gat_train_step_f32(
-            ctypes.byref(self.train_plan.problem), R, _pointers(parameters), _pointers(self.exp_avg),
-            _pointers(self.exp_avg_sq), ctypes.byref(adam), ctypes.byref(drop), _address(loss), _address(accuracy),
-            None, None, torch.get_num_threads()), "the training step")
+            ctypes.byref(self.train_plan.problem), R, parameters, exp_avg, exp_avg_sq, ctypes.byref(adam),
+            ctypes.byref(drop), _address(loss), _address(accuracy), None, None, torch.get_num_threads()),
+            "the training step")
         return loss, accuracy
 
     def validate(self) -> tuple[Tensor, Tensor]:
         """The validation pass: no dropout, loss and accuracy on the validation nodes."""
-        parameters = [p.data for p in self.model.parameters()]
-        R = parameters[0].shape[0]
+        R, parameters, _, _ = self._tensors()
         loss, accuracy = torch.empty(R), torch.empty(R, dtype=torch.float64)
-        _check(self.lib.gat_evaluate_f32(ctypes.byref(self.val_plan.problem), R, _pointers(parameters),
+        _check(self.lib.gat_evaluate_f32(ctypes.byref(self.val_plan.problem), R, parameters,
                                          _address(loss), _address(accuracy), None, torch.get_num_threads()),
                "the validation pass")
         return loss, accuracy
@@ -348,6 +369,7 @@ class FusedTrainer:
         self.exp_avg_sq = [v[replicas].contiguous() for v in self.exp_avg_sq]
         if noise is not None:
             noise.select(replicas)
+        self._pointers = self._dropout = None  # new tensors, fewer streams
 
 
 _FALLBACK_SAID = False

@@ -50,6 +50,11 @@ struct Problem {
   const index_t* x_crow;
   const index_t* x_col;
   const void* x_val;
+  // The same entries by column (CSC, rows ascending within a column): x_ccol [f_in + 1]; for each, its row
+  // x_row [nnz] and its position in the CSR arrays x_pos [nnz]. ∂L/∂W gathers along them.
+  const index_t* x_ccol;
+  const index_t* x_row;
+  const index_t* x_pos;
   Block block[2];
   index_t heads[2], hidden[2];  // H and F' of both layers (layer 2: F' = C classes, heads averaged)
   const index_t* labels;         // [block[1].targets]: the loss and accuracy are over all of them
@@ -140,7 +145,8 @@ struct LayerGrads {
 // What a layer's backward pass needs of its forward pass.
 template <typename T>
 struct LayerCache {
-  std::vector<T> input;      // layer 1: the masked feature values [H, nnz]; layer 2: the masked input [H, S, F_in]
+  std::vector<T> input;      // layer 1: the masked feature values [H, nnz] ([nnz, H] in the paper's first layer,
+                             // fast_first_layer); layer 2: the masked input [H, S, F_in]
   std::vector<T> input_mask; // layer 2 only: [H, S, F_in]
   const T* shared_input = nullptr;  // layer 2 without dropout: the input [S, F_in], for every head
 
@@ -255,9 +261,6 @@ inline float expm1_approx(float x) {
   return x > -0.5f ? near : exp_approx(x) - 1.0f;
 }
 
-inline float exp_scalar(float x) { return exp_approx(x); }
-inline double exp_scalar(double x) { return std::exp(x); }
-
 void exp_inplace(float* x, index_t n) {
   for (index_t i = 0; i < n; ++i) x[i] = exp_approx(x[i]);
 }
@@ -295,19 +298,24 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
     const index_t nnz = p.nnz;
     transpose_heads(w.W, H, fin, F, ws.weights_t);
     if (dropout) {
-      c.input.resize(H * nnz);
-      draw_mask(drop, state, H * nnz, c.input.data(), ws.ties);  // one draw for all heads, [H, nnz]
-      for (index_t k = 0; k < H; ++k)
-        for (index_t e = 0; e < nnz; ++e) c.input[k * nnz + e] = x[e] * c.input[k * nnz + e];
+      // One draw for all heads, in the stream's order [H, nnz]; kept entry-major [nnz, H], so that an entry's
+      // eight masked values are one vector, for the product below and for ∂L/∂W, which visits entries by column.
+      ws.mask.resize(H * nnz);
+      draw_mask(drop, state, H * nnz, ws.mask.data(), ws.ties);
+      c.input.resize(nnz * 8);
+      for (index_t e = 0; e < nnz; ++e)
+        for (int k = 0; k < 8; ++k) c.input[e * 8 + k] = x[e] * ws.mask[k * nnz + e];
     }
     using V = Vec8<T>;
     for (index_t j = 0; j < S; ++j) {
       V acc[8] = {};  // head k's 8 features: lane by lane, the same products and sums as scalar code
       for (index_t e = p.x_crow[j]; e < p.x_crow[j + 1]; ++e) {
         const T* row = ws.weights_t.data() + p.x_col[e] * 64;
-        for (int k = 0; k < 8; ++k) {
-          const T v = dropout ? c.input[k * nnz + e] : x[e];
-          acc[k] += v * load8(row + k * 8);
+        if (dropout) {
+          const V v = load8(c.input.data() + e * 8);
+          for (int k = 0; k < 8; ++k) acc[k] += v[k] * load8(row + k * 8);
+        } else {
+          for (int k = 0; k < 8; ++k) acc[k] += x[e] * load8(row + k * 8);
         }
       }
       for (int k = 0; k < 8; ++k) store8(c.g.data() + (k * S + j) * 8, acc[k]);
@@ -522,15 +530,18 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
     // ∂L/∂out^k: through ELU (concatenated heads) or the mean of the heads.
     T* dout = ws.grad_out.data();
     const T* pre = c.pre.data() + k * Tn * F;
-    for (index_t i = 0; i < Tn; ++i) {
-      for (index_t f = 0; f < F; ++f) {
-        if (concat) {
-          const T d = grad_output[i * H * F + k * F + f], x = pre[i * F + f];
-          dout[i * F + f] = x > T(0) ? d : d * exp_scalar(std::min(x, T(0)));
-        } else {
-          dout[i * F + f] = grad_output[i * F + f] / static_cast<T>(H);
+    if (concat) {  // ELU's derivative, exp(min(x, 0)) where x <= 0: the exps first, in a loop that vectorises
+      ws.e.resize(std::max<index_t>(ws.e.size(), Tn * F));
+      T* slope_of = ws.e.data();
+      for (index_t n = 0; n < Tn * F; ++n) slope_of[n] = std::min(pre[n], T(0));
+      exp_inplace(slope_of, Tn * F);
+      for (index_t i = 0; i < Tn; ++i)
+        for (index_t f = 0; f < F; ++f) {
+          const T d = grad_output[i * H * F + k * F + f];
+          dout[i * F + f] = pre[i * F + f] > T(0) ? d : d * slope_of[i * F + f];
         }
-      }
+    } else {
+      for (index_t n = 0; n < Tn * F; ++n) dout[n] = grad_output[n] / static_cast<T>(H);
     }
     {
       T acc[KM] = {};
@@ -679,27 +690,35 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
   if (fast) first_layer_weight_grad(p, c, ws, g.W);
 }
 
-// ∂L/∂W of the paper's first layer, all heads of a stored feature at once, into `grad_W` (zeroed by the caller).
+// ∂L/∂W of the paper's first layer, all heads of a stored feature at once, into `grad_W` [H, F_in, F'].
+// Feature by feature along x's columns: each row of ∂L/∂W is summed in registers and stored once, where a
+// scatter along x's rows would read and write it once per entry (and first zero and then transpose it all).
+// The terms are added in the same order either way (rows ascending), so the sums are the same to the bit.
 template <typename T>
 void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W) {
-  const index_t S = p.block[0].sources, fin = p.f_in, nnz = p.nnz;
+  const index_t S = p.block[0].sources, fin = p.f_in;
   const bool dropout = !c.alpha_mask.empty();
   const T* x = static_cast<const T*>(p.x_val);
   using V = Vec8<T>;
-  ws.weights_t.assign(fin * 64, T(0));
-  for (index_t j = 0; j < S; ++j) {
-    V d[8];
-    for (int k = 0; k < 8; ++k) d[k] = load8(ws.grad_g.data() + (k * S + j) * 8);
-    for (index_t e = p.x_crow[j]; e < p.x_crow[j + 1]; ++e) {
-      T* row = ws.weights_t.data() + p.x_col[e] * 64;
-      for (int k = 0; k < 8; ++k) {
-        const T v = dropout ? c.input[k * nnz + e] : x[e];
-        store8(row + k * 8, load8(row + k * 8) + v * d[k]);
+  // ∂L/∂g [H, S, 8] -> [S, H·8]: a source's 64 values in one place.
+  ws.grad_weights_t.resize(S * 64);
+  T* dg = ws.grad_weights_t.data();
+  for (int k = 0; k < 8; ++k)
+    for (index_t j = 0; j < S; ++j) store8(dg + j * 64 + k * 8, load8(ws.grad_g.data() + (k * S + j) * 8));
+  for (index_t q = 0; q < fin; ++q) {
+    V acc[8] = {};
+    for (index_t t = p.x_ccol[q]; t < p.x_ccol[q + 1]; ++t) {
+      const T* dgj = dg + p.x_row[t] * 64;
+      const index_t e = p.x_pos[t];
+      if (dropout) {
+        const V v = load8(c.input.data() + e * 8);  // the entry's masked value in each head
+        for (int k = 0; k < 8; ++k) acc[k] += v[k] * load8(dgj + k * 8);
+      } else {
+        for (int k = 0; k < 8; ++k) acc[k] += x[e] * load8(dgj + k * 8);
       }
     }
+    for (int k = 0; k < 8; ++k) store8(grad_W + (k * fin + q) * 8, acc[k]);
   }
-  for (index_t q = 0; q < fin; ++q)
-    for (int k = 0; k < 8; ++k) store8(grad_W + (k * fin + q) * 8, load8(ws.weights_t.data() + q * 64 + k * 8));
 }
 
 // Layers with F' = 8 (the paper's hidden layer) or the class counts of the Planetoid datasets get a build of
