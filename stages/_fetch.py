@@ -4,7 +4,8 @@ The source is `download.base_url`, or `GAT_DATA_MIRROR` when set: an http(s) bas
 or a local folder (a path, relative to the repository root, or a file:// URL).
 Transient failures (connection errors, timeouts, truncated bodies, HTTP 5xx) are
 retried with exponential backoff; a 4xx, a redirect loop, a transfer slower than
-MIN_RATE_BYTES_S or a checksum mismatch fails at once.
+MIN_RATE_BYTES_S, response headers that take over 2 x timeout_s + 1 s (a server that trickles
+them), or a checksum mismatch fails at once.
 
 A mirror URL may carry credentials (`https://user:password@host/...`): requests sends
 them, but every message, log line and MLflow param shows the URL through `redact`.
@@ -12,19 +13,24 @@ them, but every message, log line and MLflow param shows the URL through `redact
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import shutil
+import socket
+import threading
 import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Iterable, Mapping, NoReturn
+from typing import Iterable, Iterator, Mapping, NoReturn
 
 import requests
 import urllib3
 from tqdm import tqdm
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from stages._common import fail, repo_root
 
@@ -133,9 +139,80 @@ def _too_slow(url: str, received: int, announced: str | None, elapsed: float) ->
          f"Raise download.timeout_s in params.yaml, or set {MIRROR_ENV} to a faster mirror or a local folder.")
 
 
-def _get_once(session: requests.Session, url: str, target: Path, timeout_s: float) -> int:
+class _Sockets:
+    """The sockets a session has opened, so that a deadline can cut the one a request is stuck on."""
+
+    def __init__(self) -> None:
+        self.opened: list[socket.socket] = []
+
+    def session(self) -> requests.Session:
+        """A requests session whose connections record their sockets here."""
+        opened = self.opened
+
+        class Connection(HTTPConnection):
+            def _new_conn(self) -> socket.socket:
+                opened.append(sock := super()._new_conn())
+                return sock
+
+        class TLSConnection(HTTPSConnection):
+            def _new_conn(self) -> socket.socket:
+                opened.append(sock := super()._new_conn())
+                return sock
+
+        pools = {"http": type("Pool", (HTTPConnectionPool,), {"ConnectionCls": Connection}),
+                 "https": type("TLSPool", (HTTPSConnectionPool,), {"ConnectionCls": TLSConnection})}
+        session = requests.Session()
+        for adapter in session.adapters.values():
+            if isinstance(adapter, requests.adapters.HTTPAdapter):  # the only kind a new session has
+                adapter.poolmanager.pool_classes_by_scheme = pools
+        return session
+
+    def cut(self) -> None:
+        """Shut every socket down: a thread blocked reading one wakes up at once, at end of stream."""
+        for sock in self.opened:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed already
+
+
+@contextlib.contextmanager
+def _headers_deadline(sockets: _Sockets, url: str, timeout_s: float) -> Iterator[None]:
+    """Fail when the block (connecting, then reading the status line and headers) takes over 2 · timeout_s + 1 s.
+
+    requests' timeout bounds the connect and each socket read, so a server that sends its headers a byte
+    per second would hold the download forever; a timer cuts the connection instead. The deadline lies
+    beyond a connect timeout plus a read timeout, so that a server that stalls still times out (and is
+    retried) as before; only one that keeps trickling reaches it. The body has its own rate check.
+    """
+    started = time.monotonic()
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        sockets.cut()
+
+    timer = threading.Timer(2 * timeout_s + 1, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except Exception:
+        if not expired.is_set():
+            raise
+    finally:
+        timer.cancel()
+    if expired.is_set():
+        fail(f"downloading {redact(url)} too slowly: no complete response headers after "
+             f"{time.monotonic() - started:.0f} s (at most 2 x download.timeout_s + 1 s; not retried). "
+             f"Raise download.timeout_s in params.yaml, or set {MIRROR_ENV} to a faster mirror or a local folder.")
+
+
+def _get_once(session: requests.Session, sockets: _Sockets, url: str, target: Path, timeout_s: float) -> int:
     # identity: the checksums pin the bytes on the wire, and Content-Length then counts them.
-    with session.get(url, stream=True, timeout=timeout_s, headers={"Accept-Encoding": "identity"}) as response:
+    with _headers_deadline(sockets, url, timeout_s):
+        response = session.get(url, stream=True, timeout=timeout_s, headers={"Accept-Encoding": "identity"})
+    with response:
         if response.status_code >= 500:
             raise _Transient(f"HTTP {response.status_code} {response.reason}")
         if response.status_code != 200:
@@ -169,10 +246,11 @@ _TRANSIENT = (requests.ConnectionError, requests.Timeout, requests.exceptions.Ch
               _Transient)
 
 
-def _download(session: requests.Session, url: str, target: Path, timeout_s: float, retries: int) -> int:
+def _download(session: requests.Session, sockets: _Sockets, url: str, target: Path, timeout_s: float,
+              retries: int) -> int:
     for attempt in range(retries + 1):
         try:
-            return _get_once(session, url, target, timeout_s)
+            return _get_once(session, sockets, url, target, timeout_s)
         except requests.TooManyRedirects:
             fail(f"{redact(url)} redirects in a loop (more than {session.max_redirects} redirects; not retried): "
                  f"check download.base_url in params.yaml or {MIRROR_ENV}, and open the URL in a browser "
@@ -206,7 +284,8 @@ def fetch(expected: Mapping[str, str], source: str | Path, dest: Path, *, timeou
     fix = (f"{redact(str(source))} serves other bytes than the canonical file: if {MIRROR_ENV} is set, check the "
            "mirror's contents or unset it; if not, the file at download.base_url has changed and needs review.")
     sizes = {}
-    with requests.Session() as session:
+    sockets = _Sockets()
+    with sockets.session() as session:
         for name in expected:
             part = dest / f"{name}.part"
             try:
@@ -216,7 +295,7 @@ def fetch(expected: Mapping[str, str], source: str | Path, dest: Path, *, timeou
                     shutil.copyfile(source / name, part)
                     sizes[name] = part.stat().st_size
                 else:
-                    sizes[name] = _download(session, f"{source}/{name}", part, timeout_s, retries)
+                    sizes[name] = _download(session, sockets, f"{source}/{name}", part, timeout_s, retries)
                 _check(name, sha256_file(part), expected[name], fix)
                 part.rename(dest / name)
             finally:

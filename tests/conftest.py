@@ -11,7 +11,8 @@ For other test modules:
   that serves `folder` on 127.0.0.1 until the test ends. `faults` maps a file name to the
   behaviours of its next requests, one per request (`"503"`, `"404"`, `"truncate"`: a
   body half as long as its Content-Length; `"drip"`: one byte every DRIP_INTERVAL_S, for
-  at most DRIP_BYTES bytes, then the connection closes; `"redirect-loop"`: a redirect to
+  at most DRIP_BYTES bytes, then the connection closes; `"drip-headers"`: the same with the
+  status line and headers, which never end; `"redirect-loop"`: a redirect to
   itself, forever); after those, the file is served normally.
 - `planetoid_url` (function): the base URL of `planetoid_folder` served that way, e.g.
   for `GAT_DATA_MIRROR`.
@@ -233,6 +234,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_error(503)
         elif fault == "redirect-loop":
             self._redirect_to_itself(url.path)
+        elif fault == "drip-headers":
+            self._drip(b"HTTP/1.0 200 OK\r\nX-Slow: " + b"x" * DRIP_BYTES)  # the headers never end
         else:
             body = path.read_bytes()
             self.send_response(200)

@@ -207,6 +207,20 @@ def test_a_dripping_server_fails_at_once_leaving_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_server_that_trickles_its_headers_fails_at_once_leaving_nothing(
+        planetoid_folder: PlanetoidFolder, serve_folder: Callable[..., LoopbackServer], tmp_path: Path) -> None:
+    # Each header byte comes well within the read timeout, so only a deadline on the whole response ends it.
+    server = serve_folder(planetoid_folder.path, faults={"ind.cora.x": ["drip-headers"] * 3})
+    message = (r"downloading http://127\.0\.0\.1:\d+/data/ind\.cora\.x too slowly: no complete response headers "
+               r"after \d+ s \(at most 2 x download\.timeout_s \+ 1 s; not retried\)\. Raise download\.timeout_s")
+    with pytest.raises(StageError, match=message):
+        with atomic_dir(tmp_path / "cora") as staging:
+            # A deadline of 2 x 0.3 + 1 = 1.6 s; the server trickles for DRIP_BYTES x 0.05 = 3 s.
+            _fetch.fetch(_expected(planetoid_folder), server.base_url, staging, timeout_s=0.3, retries=2)
+    assert server.requests.count("ind.cora.x") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_redirect_loop_fails_at_once_naming_the_url(
         planetoid_folder: PlanetoidFolder, serve_folder: Callable[..., LoopbackServer], tmp_path: Path) -> None:
     server = serve_folder(planetoid_folder.path, faults={"ind.cora.tx": ["redirect-loop"]})
