@@ -168,7 +168,7 @@ struct Workspace {
   std::vector<T> hidden;     // layer 1's output, layer 2's input [T1, H1·F1]
   std::vector<T> logits;     // [T2, C]
   std::vector<T> grad_logits, grad_hidden, grad_out, grad_g, s_target, s_source, grad_s_target, grad_s_source,
-      grad_alpha, e, grads, mask, weights_t, weights_t2, grad_weights_t;
+      grad_alpha, e, grads, mask, weights_t, weights_t2, grad_weights_t, z8, alpha8;
   std::vector<index_t> ties;
 };
 
@@ -275,6 +275,92 @@ void elu_inplace(double* x, index_t n) {
   for (index_t i = 0; i < n; ++i) x[i] = x[i] > 0.0 ? x[i] : std::expm1(x[i]);
 }
 
+// The attention of the paper's first layer (8 heads of 8 features), its dropout and its aggregation into c.pre,
+// with the 8 heads as the 8 lanes of a vector in every per-edge operation: scores, LeakyReLU, the softmax and the
+// weighted sum. Each lane computes what the general code computes for its head, operation by operation and in the
+// same order, so the results are the same to the bit; the per-edge work takes an eighth of the instructions.
+// Edge-major [E, 8] here; the backward pass reads z and α head-major [8, E], written only when training.
+template <typename T>
+void first_layer_attention(const Problem& p, const LayerParams<T>& w, bool training, bool dropout, const Dropout& drop,
+                           void* state, Workspace<T>& ws, LayerCache<T>& c) {
+  using V = Vec8<T>;
+  const Block& b = p.block[0];
+  const index_t S = b.sources, Tn = b.targets, E = b.edges;
+  const T slope = static_cast<T>(p.negative_slope);
+  // Each node's two half-scores, [S, 8] and [Tn, 8]: s(j)_k = a_k · g_kj + b_k.
+  ws.s_source.resize(S * 8);
+  ws.s_target.resize(Tn * 8);
+  for (int k = 0; k < 8; ++k) {
+    const T* gk = c.g.data() + k * S * 8;
+    for (index_t j = 0; j < S; ++j) ws.s_source[j * 8 + k] = dot(gk + j * 8, w.a_source + k * 8, 8) + w.b_source[k];
+    for (index_t i = 0; i < Tn; ++i)
+      ws.s_target[i * 8 + k] = dot(gk + b.target_in_source[i] * 8, w.a_target + k * 8, 8) + w.b_target[k];
+  }
+  ws.z8.resize(E * 8);
+  ws.alpha8.resize(E * 8);
+  T* z = ws.z8.data();
+  T* alpha = ws.alpha8.data();
+  const V zero = {}, slopes = zero + slope;
+  for (index_t i = 0; i < Tn; ++i) {
+    const index_t begin = b.crow[i], end = b.crow[i + 1];
+    const V st = load8(ws.s_target.data() + i * 8);
+    V shift = zero - T(INFINITY);
+    for (index_t e = begin; e < end; ++e) {
+      const V ze = st + load8(ws.s_source.data() + b.source[e] * 8);
+      store8(z + e * 8, ze);
+      const V leaky = ze > zero ? ze : ze * slopes;
+      store8(alpha + e * 8, leaky);
+      shift = shift < leaky ? leaky : shift;  // std::max's rule, lane by lane
+    }
+    for (index_t e = begin; e < end; ++e) store8(alpha + e * 8, load8(alpha + e * 8) - shift);
+  }
+  exp_inplace(alpha, E * 8);
+  for (index_t i = 0; i < Tn; ++i) {
+    const index_t begin = b.crow[i], end = b.crow[i + 1];
+    V total = zero;
+    for (index_t e = begin; e < end; ++e) total += load8(alpha + e * 8);
+    for (index_t e = begin; e < end; ++e) store8(alpha + e * 8, load8(alpha + e * 8) / total);
+  }
+
+  // Dropout on α, then on g, drawn head-major as ReplicaDropout draws them; α dropped, edge-major.
+  const T* a_dropped = alpha;
+  c.alpha_mask.resize(dropout ? 8 * E : 0);
+  c.g_mask.resize(dropout ? 8 * S * 8 : 0);
+  c.g_dropped.resize(dropout ? 8 * S * 8 : 0);
+  if (dropout) {
+    draw_mask(drop, state, 8 * E, c.alpha_mask.data(), ws.ties);
+    draw_mask(drop, state, 8 * S * 8, c.g_mask.data(), ws.ties);
+    for (index_t n = 0; n < 8 * S * 8; ++n) c.g_dropped[n] = c.g[n] * c.g_mask[n];
+    ws.grad_alpha.resize(E * 8);
+    for (index_t e = 0; e < E; ++e)
+      for (int k = 0; k < 8; ++k) ws.grad_alpha[e * 8 + k] = alpha[e * 8 + k] * c.alpha_mask[k * E + e];
+    a_dropped = ws.grad_alpha.data();
+  }
+  // z and α head-major [8, E], for the backward pass.
+  c.z.resize(training ? 8 * E : 0);
+  c.alpha.resize(training ? 8 * E : 0);
+  if (training) {
+    for (index_t e = 0; e < E; ++e)
+      for (int k = 0; k < 8; ++k) {
+        c.z[k * E + e] = z[e * 8 + k];
+        c.alpha[k * E + e] = alpha[e * 8 + k];
+      }
+  }
+  const T* g_dropped = dropout ? c.g_dropped.data() : c.g.data();
+
+  // out_i = Σ_j α_ij g_j + c, per head.
+  c.pre.resize(8 * Tn * 8);
+  for (index_t i = 0; i < Tn; ++i) {
+    V acc[8] = {};
+    for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
+      const index_t j = b.source[e];
+      const V a = load8(a_dropped + e * 8);
+      for (int k = 0; k < 8; ++k) acc[k] += a[k] * load8(g_dropped + (k * S + j) * 8);
+    }
+    for (int k = 0; k < 8; ++k) store8(c.pre.data() + (k * Tn + i) * 8, acc[k] + load8(w.bias + k * 8));
+  }
+}
+
 // Layer `l` forward for one replica: `input` is the sparse x (l = 0) or the dense [S, F_in] hidden features.
 // FC: the number of features per head F' when known at compile time (0: read from the problem). With it the
 // per-head vectors are a few registers: each sum is accumulated there, in the same sequential order.
@@ -288,12 +374,12 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
   const index_t fin = l == 0 ? p.f_in : p.heads[0] * p.hidden[0];
   const bool dropout = training && drop.next != nullptr;
   const T slope = static_cast<T>(p.negative_slope);
-  c.g.assign(H * S * F, T(0));
+  c.g.resize(H * S * F);  // every element is written below
 
   // g = W^k · dropout_k(h), a fresh input mask per head.
   if (fast_first_layer<FC>(p, l)) {
     // The paper's first layer (8 heads of 8): W transposed to [F_in, H·F'], so that each stored feature
-    // reads one contiguous row of 64 weights; the masked values [H, nnz], eight sequential streams.
+    // reads one contiguous row of 64 weights.
     const T* x = static_cast<const T*>(p.x_val);
     const index_t nnz = p.nnz;
     transpose_heads(w.W, H, fin, F, ws.weights_t);
@@ -406,87 +492,91 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
     }
   }
 
-  // Scores of every node, gathered to edges, and the softmax over each neighbourhood.
-  ws.s_target.resize(Tn);
-  ws.s_source.resize(S);
-  c.z.resize(H * E);
-  c.alpha.resize(H * E);
-  ws.e.resize(std::max<index_t>(E, 1));
-  for (index_t k = 0; k < H; ++k) {
-    const T* gk = c.g.data() + k * S * F;
-    const T* at = w.a_target + k * F;
-    const T* as = w.a_source + k * F;
-    for (index_t j = 0; j < S; ++j) ws.s_source[j] = dot(gk + j * F, as, F) + w.b_source[k];
-    for (index_t i = 0; i < Tn; ++i) ws.s_target[i] = dot(gk + b.target_in_source[i] * F, at, F) + w.b_target[k];
-    T* z = c.z.data() + k * E;
-    T* alpha = c.alpha.data() + k * E;
-    for (index_t i = 0; i < Tn; ++i) {
-      const index_t begin = b.crow[i], end = b.crow[i + 1];
-      T shift = -INFINITY;
-      for (index_t e = begin; e < end; ++e) {
-        z[e] = ws.s_target[i] + ws.s_source[b.source[e]];
-        ws.e[e] = z[e] > T(0) ? z[e] : z[e] * slope;
-        shift = std::max(shift, ws.e[e]);
-      }
-      for (index_t e = begin; e < end; ++e) alpha[e] = ws.e[e] - shift;
-    }
-    exp_inplace(alpha, E);
-    for (index_t i = 0; i < Tn; ++i) {  // each neighbourhood's sum, spread over its edges
-      const index_t begin = b.crow[i], end = b.crow[i + 1];
-      T total = T(0);
-      for (index_t e = begin; e < end; ++e) total += alpha[e];
-      for (index_t e = begin; e < end; ++e) ws.e[e] = total;
-    }
-    for (index_t e = 0; e < E; ++e) alpha[e] = alpha[e] / ws.e[e];
-  }
-
-  // Dropout on α, then on g (in this order: ReplicaDropout's stream is consumed as the torch layer does).
-  c.alpha_mask.resize(dropout ? H * E : 0);
-  c.g_mask.resize(dropout ? H * S * F : 0);
-  c.g_dropped.resize(dropout ? H * S * F : 0);
-  if (dropout) {
-    draw_mask(drop, state, H * E, c.alpha_mask.data(), ws.ties);
-    draw_mask(drop, state, H * S * F, c.g_mask.data(), ws.ties);
-    for (index_t i = 0; i < H * S * F; ++i) c.g_dropped[i] = c.g[i] * c.g_mask[i];
-  }
-  const T* g_dropped = dropout ? c.g_dropped.data() : c.g.data();
-
-  // out_i = Σ_j α_ij g_j + c, then the activation and the joining of the heads.
-  c.pre.assign(H * Tn * F, T(0));
   const bool concat = l == 0;
-  if (!concat) std::fill(output, output + Tn * F, T(0));
-  // ∂(α_ij dropped) once per edge: [H, E].
-  const T* a_dropped = c.alpha.data();
-  if (dropout) {
-    ws.grad_alpha.resize(H * E);
-    for (index_t i = 0; i < H * E; ++i) ws.grad_alpha[i] = c.alpha[i] * c.alpha_mask[i];
-    a_dropped = ws.grad_alpha.data();
-  }
-  if (FC == 8 && H % kGroup == 0) {
-    for (index_t k0 = 0; k0 < H; k0 += kGroup) {
-      for (index_t i = 0; i < Tn; ++i) {
-        Vec8<T> acc[kGroup] = {};
-        for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
-          const index_t j = b.source[e];
-          for (int k = 0; k < kGroup; ++k)
-            acc[k] += a_dropped[(k0 + k) * E + e] * load8(g_dropped + ((k0 + k) * S + j) * 8);
-        }
-        for (int k = 0; k < kGroup; ++k)
-          store8(c.pre.data() + ((k0 + k) * Tn + i) * 8, acc[k] + load8(w.bias + (k0 + k) * 8));
-      }
-    }
+  if (fast_first_layer<FC>(p, l)) {
+    first_layer_attention(p, w, training, dropout, drop, state, ws, c);
   } else {
+    // Scores of every node, gathered to edges, and the softmax over each neighbourhood.
+    ws.s_target.resize(Tn);
+    ws.s_source.resize(S);
+    c.z.resize(H * E);
+    c.alpha.resize(H * E);
+    ws.e.resize(std::max<index_t>(E, 1));
     for (index_t k = 0; k < H; ++k) {
-      const T* gd = g_dropped + k * S * F;
+      const T* gk = c.g.data() + k * S * F;
+      const T* at = w.a_target + k * F;
+      const T* as = w.a_source + k * F;
+      for (index_t j = 0; j < S; ++j) ws.s_source[j] = dot(gk + j * F, as, F) + w.b_source[k];
+      for (index_t i = 0; i < Tn; ++i) ws.s_target[i] = dot(gk + b.target_in_source[i] * F, at, F) + w.b_target[k];
+      T* z = c.z.data() + k * E;
+      T* alpha = c.alpha.data() + k * E;
       for (index_t i = 0; i < Tn; ++i) {
-        T acc[KM] = {};
-        for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
-          const T a = a_dropped[k * E + e];
-          const T* gj = gd + b.source[e] * F;
-          for (index_t f = 0; f < F; ++f) acc[f] += a * gj[f];
+        const index_t begin = b.crow[i], end = b.crow[i + 1];
+        T shift = -INFINITY;
+        for (index_t e = begin; e < end; ++e) {
+          z[e] = ws.s_target[i] + ws.s_source[b.source[e]];
+          ws.e[e] = z[e] > T(0) ? z[e] : z[e] * slope;
+          shift = std::max(shift, ws.e[e]);
         }
-        T* out = c.pre.data() + (k * Tn + i) * F;
-        for (index_t f = 0; f < F; ++f) out[f] = acc[f] + w.bias[k * F + f];
+        for (index_t e = begin; e < end; ++e) alpha[e] = ws.e[e] - shift;
+      }
+      exp_inplace(alpha, E);
+      for (index_t i = 0; i < Tn; ++i) {  // each neighbourhood's sum, spread over its edges
+        const index_t begin = b.crow[i], end = b.crow[i + 1];
+        T total = T(0);
+        for (index_t e = begin; e < end; ++e) total += alpha[e];
+        for (index_t e = begin; e < end; ++e) ws.e[e] = total;
+      }
+      for (index_t e = 0; e < E; ++e) alpha[e] = alpha[e] / ws.e[e];
+    }
+
+    // Dropout on α, then on g (in this order: ReplicaDropout's stream is consumed as the torch layer does).
+    c.alpha_mask.resize(dropout ? H * E : 0);
+    c.g_mask.resize(dropout ? H * S * F : 0);
+    c.g_dropped.resize(dropout ? H * S * F : 0);
+    if (dropout) {
+      draw_mask(drop, state, H * E, c.alpha_mask.data(), ws.ties);
+      draw_mask(drop, state, H * S * F, c.g_mask.data(), ws.ties);
+      for (index_t i = 0; i < H * S * F; ++i) c.g_dropped[i] = c.g[i] * c.g_mask[i];
+    }
+    const T* g_dropped = dropout ? c.g_dropped.data() : c.g.data();
+
+    // out_i = Σ_j α_ij g_j + c, then the activation and the joining of the heads.
+    c.pre.resize(H * Tn * F);  // every element is written below
+    if (!concat) std::fill(output, output + Tn * F, T(0));
+    // ∂(α_ij dropped) once per edge: [H, E].
+    const T* a_dropped = c.alpha.data();
+    if (dropout) {
+      ws.grad_alpha.resize(H * E);
+      for (index_t i = 0; i < H * E; ++i) ws.grad_alpha[i] = c.alpha[i] * c.alpha_mask[i];
+      a_dropped = ws.grad_alpha.data();
+    }
+    if (FC == 8 && H % kGroup == 0) {
+      for (index_t k0 = 0; k0 < H; k0 += kGroup) {
+        for (index_t i = 0; i < Tn; ++i) {
+          Vec8<T> acc[kGroup] = {};
+          for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
+            const index_t j = b.source[e];
+            for (int k = 0; k < kGroup; ++k)
+              acc[k] += a_dropped[(k0 + k) * E + e] * load8(g_dropped + ((k0 + k) * S + j) * 8);
+          }
+          for (int k = 0; k < kGroup; ++k)
+            store8(c.pre.data() + ((k0 + k) * Tn + i) * 8, acc[k] + load8(w.bias + (k0 + k) * 8));
+        }
+      }
+    } else {
+      for (index_t k = 0; k < H; ++k) {
+        const T* gd = g_dropped + k * S * F;
+        for (index_t i = 0; i < Tn; ++i) {
+          T acc[KM] = {};
+          for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
+            const T a = a_dropped[k * E + e];
+            const T* gj = gd + b.source[e] * F;
+            for (index_t f = 0; f < F; ++f) acc[f] += a * gj[f];
+          }
+          T* out = c.pre.data() + (k * Tn + i) * F;
+          for (index_t f = 0; f < F; ++f) out[f] = acc[f] + w.bias[k * F + f];
+        }
       }
     }
   }
@@ -836,7 +926,7 @@ void train_replica(const Problem& p, index_t r, void* const* params, void* const
   if (logits_out != nullptr) std::copy(ws.logits.begin(), ws.logits.end(), logits_out + r * M * C);
 
   const index_t numel = replica_numel(p);
-  ws.grads.assign(numel, T(0));
+  ws.grads.resize(numel);  // every gradient is written whole by the backward passes
   const LayerGrads<T> g0 = layer_grads<T>(p, 0, ws.grads.data());
   const LayerGrads<T> g1 = layer_grads<T>(p, 1, g0.bias + param_numel(p, 0, 5));
   ws.grad_hidden.resize(p.block[0].targets * p.heads[0] * p.hidden[0]);
