@@ -279,9 +279,9 @@ void elu_inplace(double* x, index_t n) {
 // with the 8 heads as the 8 lanes of a vector in every per-edge operation: scores, LeakyReLU, the softmax and the
 // weighted sum. Each lane computes what the general code computes for its head, operation by operation and in the
 // same order, so the results are the same to the bit; the per-edge work takes an eighth of the instructions.
-// Edge-major [E, 8] here; the backward pass reads z and α head-major [8, E], written only when training.
+// z and α stay edge-major [E, 8] in ws.z8 and ws.alpha8 for the backward pass (first_layer_backward_softmax).
 template <typename T>
-void first_layer_attention(const Problem& p, const LayerParams<T>& w, bool training, bool dropout, const Dropout& drop,
+void first_layer_attention(const Problem& p, const LayerParams<T>& w, bool dropout, const Dropout& drop,
                            void* state, Workspace<T>& ws, LayerCache<T>& c) {
   using V = Vec8<T>;
   const Block& b = p.block[0];
@@ -335,16 +335,6 @@ void first_layer_attention(const Problem& p, const LayerParams<T>& w, bool train
     for (index_t e = 0; e < E; ++e)
       for (int k = 0; k < 8; ++k) ws.grad_alpha[e * 8 + k] = alpha[e * 8 + k] * c.alpha_mask[k * E + e];
     a_dropped = ws.grad_alpha.data();
-  }
-  // z and α head-major [8, E], for the backward pass.
-  c.z.resize(training ? 8 * E : 0);
-  c.alpha.resize(training ? 8 * E : 0);
-  if (training) {
-    for (index_t e = 0; e < E; ++e)
-      for (int k = 0; k < 8; ++k) {
-        c.z[k * E + e] = z[e * 8 + k];
-        c.alpha[k * E + e] = alpha[e * 8 + k];
-      }
   }
   const T* g_dropped = dropout ? c.g_dropped.data() : c.g.data();
 
@@ -494,7 +484,7 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
 
   const bool concat = l == 0;
   if (fast_first_layer<FC>(p, l)) {
-    first_layer_attention(p, w, training, dropout, drop, state, ws, c);
+    first_layer_attention(p, w, dropout, drop, state, ws, c);
   } else {
     // Scores of every node, gathered to edges, and the softmax over each neighbourhood.
     ws.s_target.resize(Tn);
@@ -592,6 +582,68 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
   }
 }
 
+// ∂L/∂a, ∂L/∂b of head k's two half-scores, from ∂L/∂s_target [Tn] and ∂L/∂s_source [S] (read every `stride`
+// elements), and their share of ∂L/∂g^k, added into `dg` [S, F'].
+template <typename T, int FC>
+void score_grads(const Block& b, index_t k, index_t F, const T* gk, const LayerParams<T>& w, const T* grad_s_target,
+                 const T* grad_s_source, index_t stride, const LayerGrads<T>& g, T* dg) {
+  constexpr int KM = FC > 0 ? FC : kMaxFeatures;
+  const T* at = w.a_target + k * F;
+  const T* as = w.a_source + k * F;
+  T bt = T(0), bs = T(0);
+  T acc_t[KM] = {}, acc_s[KM] = {};
+  for (index_t i = 0; i < b.targets; ++i) {
+    const T d = grad_s_target[i * stride];
+    const index_t j = b.target_in_source[i];
+    bt += d;
+    for (index_t f = 0; f < F; ++f) {
+      acc_t[f] += d * gk[j * F + f];
+      dg[j * F + f] += d * at[f];
+    }
+  }
+  for (index_t j = 0; j < b.sources; ++j) {
+    const T d = grad_s_source[j * stride];
+    bs += d;
+    for (index_t f = 0; f < F; ++f) {
+      acc_s[f] += d * gk[j * F + f];
+      dg[j * F + f] += d * as[f];
+    }
+  }
+  std::copy(acc_t, acc_t + F, g.a_target + k * F);
+  std::copy(acc_s, acc_s + F, g.a_source + k * F);
+  g.b_target[k] = bt;
+  g.b_source[k] = bs;
+}
+
+// The softmax's and LeakyReLU's backward pass of the paper's first layer, its 8 heads as vector lanes (as in
+// first_layer_attention): ∂L/∂e = α ∘ (∂L/∂α - Σ_segment α ∘ ∂L/∂α), then ∂L/∂z, summed into the two half-scores,
+// ws.grad_s_target [Tn, 8] and ws.grad_s_source [S, 8]. Lane k computes what the general code computes for head k.
+template <typename T>
+void first_layer_backward_softmax(const Problem& p, Workspace<T>& ws) {
+  using V = Vec8<T>;
+  const Block& b = p.block[0];
+  const T* alpha = ws.alpha8.data();
+  const T* z = ws.z8.data();
+  const T* grad_alpha = ws.grad_alpha.data();
+  const V zero = {}, slopes = zero + static_cast<T>(p.negative_slope);
+  std::fill(ws.grad_s_source.begin(), ws.grad_s_source.end(), T(0));
+  for (index_t i = 0; i < b.targets; ++i) {
+    const index_t begin = b.crow[i], end = b.crow[i + 1];
+    V total = zero;
+    for (index_t e = begin; e < end; ++e) total += load8(grad_alpha + e * 8) * load8(alpha + e * 8);
+    V st = zero;
+    for (index_t e = begin; e < end; ++e) {
+      const V a = load8(alpha + e * 8);
+      const V de = load8(grad_alpha + e * 8) * a - a * total;
+      const V dz = load8(z + e * 8) > zero ? de : de * slopes;
+      st += dz;
+      T* source = ws.grad_s_source.data() + b.source[e] * 8;
+      store8(source, load8(source) + dz);
+    }
+    store8(ws.grad_s_target.data() + i * 8, st);
+  }
+}
+
 template <typename T>
 void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W);
 
@@ -612,9 +664,9 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
   const bool fast = fast_first_layer<FC>(p, l);
   ws.grad_out.resize(Tn * F);
   ws.grad_g.resize(H * S * F);
-  ws.grad_alpha.resize(std::max<index_t>(E, 1));
-  ws.grad_s_target.resize(Tn);
-  ws.grad_s_source.resize(S);
+  ws.grad_alpha.resize(std::max<index_t>(fast ? E * 8 : E, 1));
+  ws.grad_s_target.resize(fast ? Tn * 8 : Tn);
+  ws.grad_s_source.resize(fast ? S * 8 : S);
   if (grad_input != nullptr) std::fill(grad_input, grad_input + S * fin, T(0));
   for (index_t k = 0; k < H; ++k) {
     // ∂L/∂out^k: through ELU (concatenated heads) or the mean of the heads.
@@ -641,7 +693,10 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
     }
 
     // Aggregation: ∂L/∂α_ij = mask_ij ∂L/∂out_i · dropout(g_j); ∂L/∂g_j = mask_j Σ_i dropout(α_ij) ∂L/∂out_i.
-    const T* alpha = c.alpha.data() + k * E;
+    // α of head k: head-major in general, edge-major [E, 8] in the paper's first layer; ∂L/∂α likewise.
+    const T* alpha = fast ? ws.alpha8.data() + k : c.alpha.data() + k * E;
+    const index_t a_stride = fast ? 8 : 1;
+    T* grad_alpha = fast ? ws.grad_alpha.data() + k : ws.grad_alpha.data();
     const T* am = dropout ? c.alpha_mask.data() + k * E : nullptr;
     const T* gd = (dropout ? c.g_dropped.data() : c.g.data()) + k * S * F;
     const T* gk = c.g.data() + k * S * F;
@@ -653,10 +708,10 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
         const Vec8<T> dv = load8(di);
         for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
           const index_t j = b.source[e];
-          const T a = am ? alpha[e] * am[e] : alpha[e];
+          const T a = am ? alpha[e * a_stride] * am[e] : alpha[e * a_stride];
           const Vec8<T> prod = dv * load8(gd + j * 8);
           const T da = sum8<T>(prod);
-          ws.grad_alpha[e] = am ? da * am[e] : da;
+          grad_alpha[e * a_stride] = am ? da * am[e] : da;
           store8(dg + j * 8, load8(dg + j * 8) + a * dv);
         }
         continue;
@@ -674,6 +729,7 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
       const T* gm = c.g_mask.data() + k * S * F;
       for (index_t i = 0; i < S * F; ++i) dg[i] = dg[i] * gm[i];
     }
+    if (fast) continue;  // the softmax of all heads at once after this loop, then the rest per head
 
     // Softmax: ∂L/∂e = α ∘ (∂L/∂α - Σ_segment α ∘ ∂L/∂α); LeakyReLU; then the two halves of the score.
     const T* z = c.z.data() + k * E;
@@ -691,31 +747,7 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
       }
       ws.grad_s_target[i] = st;
     }
-    const T* at = w.a_target + k * F;
-    const T* as = w.a_source + k * F;
-    T bt = T(0), bs = T(0);
-    T acc_t[KM] = {}, acc_s[KM] = {};
-    for (index_t i = 0; i < Tn; ++i) {
-      const T d = ws.grad_s_target[i];
-      const index_t j = b.target_in_source[i];
-      bt += d;
-      for (index_t f = 0; f < F; ++f) {
-        acc_t[f] += d * gk[j * F + f];
-        dg[j * F + f] += d * at[f];
-      }
-    }
-    for (index_t j = 0; j < S; ++j) {
-      const T d = ws.grad_s_source[j];
-      bs += d;
-      for (index_t f = 0; f < F; ++f) {
-        acc_s[f] += d * gk[j * F + f];
-        dg[j * F + f] += d * as[f];
-      }
-    }
-    std::copy(acc_t, acc_t + F, g.a_target + k * F);
-    std::copy(acc_s, acc_s + F, g.a_source + k * F);
-    g.b_target[k] = bt;
-    g.b_source[k] = bs;
+    score_grads<T, FC>(b, k, F, gk, w, ws.grad_s_target.data(), ws.grad_s_source.data(), 1, g, dg);
 
     // g = W^k · dropout_k(h): ∂L/∂W^k = dropout_k(h)^T ∂L/∂g; ∂L/∂h = mask_k ∘ (∂L/∂g W^k^T).
     if (fast) continue;  // after the loop over the heads, for all of them at once
@@ -777,7 +809,13 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
       }
     }
   }
-  if (fast) first_layer_weight_grad(p, c, ws, g.W);
+  if (fast) {
+    first_layer_backward_softmax(p, ws);
+    for (index_t k = 0; k < H; ++k)
+      score_grads<T, FC>(b, k, F, c.g.data() + k * S * F, w, ws.grad_s_target.data() + k,
+                         ws.grad_s_source.data() + k, 8, g, ws.grad_g.data() + k * S * F);
+    first_layer_weight_grad(p, c, ws, g.W);
+  }
 }
 
 // ∂L/∂W of the paper's first layer, all heads of a stored feature at once, into `grad_W` [H, F_in, F'].
