@@ -15,12 +15,13 @@ process logs, once every batch is in: the outputs are byte-identical whichever w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import mlflow
 import torch
@@ -40,15 +41,21 @@ if TYPE_CHECKING:
     from stages._dask import DaskPool
 
 
-def _pool(executor: str, workers: int, device: torch.device) -> "WorkerPool | DaskPool":
-    """The executor's pool of workers; `workers` 0 is one per core. One GPU serves one process."""
+@contextlib.contextmanager
+def _starting_pool(executor: str, workers: int, device: torch.device
+                   ) -> Iterator[Callable[[], "WorkerPool | DaskPool"]]:
+    """A function that returns the executor's pool of workers; `workers` 0 is one per core, and one GPU serves one
+    process. A Dask LocalCluster starts as the block begins, so that its workers' start overlaps the stage's
+    set-up (stages._dask.StartingPool); local workers start with their first batch, in the thread that asks."""
     if device.type == "cuda":
         workers = 1
     if executor == "dask":
-        from stages._dask import dask_pool  # Dask is imported only when it is asked for
+        from stages._dask import starting_dask_pool  # Dask is imported only when it is asked for
 
-        return dask_pool(workers)
-    return worker_pool(workers or os.cpu_count() or 1)
+        with starting_dask_pool(workers) as starting:
+            yield starting.pool
+        return
+    yield lambda: worker_pool(workers or os.cpu_count() or 1)
 
 
 def _gather(pool: "WorkerPool | DaskPool", graph_tensors: dict, setup: Setup, batches: Sequence[list[int]],
@@ -100,12 +107,14 @@ def run() -> None:
     parent_tags = {**tags, "executor": settings.executor, NOTE: describe_run(
         f"{len(seeds)} independent seeds of GAT on {args.dataset} (seeds {seeds[0]} to {seeds[-1]}), the paper's "
         "protocol: the metrics are the mean, std, range and 95% CI over the seeds; one child run per seed.", logged)}
-    with stage_run(REPRODUCE_EXPERIMENT, f"{args.dataset}-{len(seeds)}-seeds", parent_tags) as parent:
+    # A LocalCluster starts now, while MLflow opens the run.
+    with _starting_pool(settings.executor, settings.workers, device) as pool_when_ready, \
+            stage_run(REPRODUCE_EXPERIMENT, f"{args.dataset}-{len(seeds)}-seeds", parent_tags) as parent:
         mlflow.log_params(logged)
         # Local workers die with the stage and are killed at once on SIGTERM, Ctrl-C or an error (stages._workers);
         # Dask tasks are cancelled then, and stop within an epoch (stages._dask). Inside the run: a scheduler
-        # that can't be reached ends it FAILED.
-        with _pool(settings.executor, settings.workers, device) as pool, \
+        # that can't be reached, or a cluster that fails to start, ends it FAILED.
+        with pool_when_ready() as pool, \
                 tqdm(total=len(seeds), desc=f"reproduce {args.dataset}", unit="seed", disable=None) as bar:
             run_tags = {"workers_resolved": str(pool.size)}
             if not isinstance(pool, WorkerPool):

@@ -239,6 +239,53 @@ def test_a_local_cluster_writes_the_same_seeds_csv(copy: Pipeline, tmp_path: Pat
     assert _poll(lambda: not left_behind(), 10), [p.cmdline() for p in left_behind()]
 
 
+def test_the_local_cluster_settings_yield_to_the_users() -> None:
+    """Where the user set one of LOCAL_CLUSTER_CONFIG's keys, the stage's LocalCluster keeps the user's value."""
+    import dask
+
+    from stages._dask import LOCAL_CLUSTER_CONFIG, local_cluster_config
+
+    assert local_cluster_config() == LOCAL_CLUSTER_CONFIG  # Dask's defaults here: the stage's values apply
+    with dask.config.set({"distributed.admin.tick.interval": "50ms", "distributed.worker.profile.enabled": False}):
+        kept = local_cluster_config()
+    assert "distributed.admin.tick.interval" not in kept
+    assert kept["distributed.worker.memory.monitor-interval"] == "500ms"
+
+
+def test_a_local_cluster_starts_in_the_background_and_never_outlives_the_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """starting_dask_pool: the workers run with the stage's settings; an error before the pool is asked for
+    still closes the cluster started for it, and a normal end too, leaving no process behind."""
+    import dask
+
+    from stages._dask import starting_dask_pool
+
+    monkeypatch.setenv("GAT_DASK_DASHBOARD", "off")
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    me = psutil.Process()
+    others = set(me.children(recursive=True))
+
+    def ours() -> list[psutil.Process]:  # multiprocessing's resource tracker lives as long as this process: not ours
+        found = []
+        for process in me.children(recursive=True):
+            with _quiet():
+                if process not in others and process.status() != psutil.STATUS_ZOMBIE and \
+                        "resource_tracker" not in " ".join(process.cmdline()):
+                    found.append(process)
+        return found
+
+    with dask.config.set({"scheduler-address": None}):
+        with pytest.raises(RuntimeError, match="the stage failed"):
+            with starting_dask_pool(1):
+                raise RuntimeError("the stage failed")  # before the pool is asked for: it is closed all the same
+        assert _poll(lambda: not ours(), 30), [p.cmdline() for p in ours()]
+
+        with starting_dask_pool(1) as starting, starting.pool() as pool:
+            settings = pool.client.run(lambda: (dask.config.get("distributed.worker.profile.enabled"),
+                                                os.environ.get("MALLOC_TRIM_THRESHOLD_")))
+            assert list(settings.values()) == [(False, None)]
+        assert _poll(lambda: not ours(), 30), [p.cmdline() for p in ours()]
+
+
 def test_the_ablation_estimate_follows_the_measured_costs() -> None:
     """benchmarks.scale's model on made-up times: T(W) = 10 s + 100 worker-s / W."""
     from benchmarks.scale import ablation_wall_s, fit
