@@ -18,7 +18,8 @@ from gat.data import Graph, file_names, parse_planetoid
 from gat.dropout import ReplicaDropout
 from gat.graph import SparseFeatures, csr_beta_warning_silenced
 from gat.model import GAT
-from gat.training import GraphTensors, NodeView, TrainResult, loss_and_accuracy, train, train_step
+from gat.training import GraphTensors, NodeView, loss_and_accuracy, train, train_step
+from test_training import assert_same_replica  # one definition of "the same run, bit for bit"
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER = ModelConfig(hidden_features=8, heads=8, output_heads=1, dropout=0.6, leaky_relu_negative_slope=0.2)
@@ -96,14 +97,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_step_equals_the_torch_path_on_random_graphs(name: str) -> None:
-    layout, config, seeds = CASES[name]
-    graph = GraphTensors.from_graph(random_graph(**layout))
-    view = NodeView.of(graph, graph.train_idx, 2)
-    model = GAT(config, graph.x.num_features, graph.num_classes, seeds)
-    noise = ReplicaDropout(seeds, config.dropout) if config.dropout > 0 else None
-    fused_noise = copy.deepcopy(noise)
+def assert_step_equals_the_torch_path(model: GAT, view: NodeView, noise: ReplicaDropout | None,
+                                      fused_noise: ReplicaDropout | None) -> None:
+    """The fused forward and backward pass of `view` (drawing from `fused_noise`) against the torch path's (from
+    `noise`, a copy of it): logits, loss and gradients to float32 rounding, accuracy exactly."""
     loss, accuracy, logits, grads = torch_step(model, view, noise)
     plan = fused.model_plan(model, view.x, view.blocks, view.labels)
     f_loss, f_accuracy, f_logits, f_grads = fused.forward_backward(model, plan, fused_noise)
@@ -112,6 +109,17 @@ def test_step_equals_the_torch_path_on_random_graphs(name: str) -> None:
     assert torch.equal(f_accuracy, accuracy)
     for (parameter, _), grad, f_grad in zip(model.named_parameters(), grads, f_grads):
         assert_close_to_float32_rounding(f_grad, grad, parameter)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_step_equals_the_torch_path_on_random_graphs(name: str) -> None:
+    layout, config, seeds = CASES[name]
+    graph = GraphTensors.from_graph(random_graph(**layout))
+    view = NodeView.of(graph, graph.train_idx, 2)
+    model = GAT(config, graph.x.num_features, graph.num_classes, seeds)
+    noise = ReplicaDropout(seeds, config.dropout) if config.dropout > 0 else None
+    fused_noise = copy.deepcopy(noise)
+    assert_step_equals_the_torch_path(model, view, noise, fused_noise)
     if noise is not None:  # the same masks, drawn from the same streams, which end in the same state
         assert fused_noise is not None
         for a, b in zip(noise.generators, fused_noise.generators):
@@ -123,15 +131,7 @@ def test_step_and_validation_equal_the_torch_path_on_cora(cora: GraphTensors) ->
     model = GAT(PAPER, cora.x.num_features, cora.num_classes, seeds)
     train_view, val_view = (NodeView.of(cora, nodes, 2) for nodes in (cora.train_idx, cora.val_idx))
     noise = ReplicaDropout(seeds, PAPER.dropout)
-    fused_noise = copy.deepcopy(noise)
-    loss, accuracy, logits, grads = torch_step(model, train_view, noise)
-    plan = fused.model_plan(model, train_view.x, train_view.blocks, train_view.labels)
-    f_loss, f_accuracy, f_logits, f_grads = fused.forward_backward(model, plan, fused_noise)
-    assert_close_to_float32_rounding(f_logits, logits, "logits")
-    assert_close_to_float32_rounding(f_loss, loss, "loss")
-    assert torch.equal(f_accuracy, accuracy)
-    for (parameter, _), grad, f_grad in zip(model.named_parameters(), grads, f_grads):
-        assert_close_to_float32_rounding(f_grad, grad, parameter)
+    assert_step_equals_the_torch_path(model, train_view, noise, copy.deepcopy(noise))
 
     # The validation pass: the torch path's eval mode (node-major, no dropout) against the fused forward pass.
     model.eval()
@@ -222,14 +222,6 @@ SEEDS = [3, 7, 11, 5]
 @pytest.fixture(scope="module")
 def small_graph() -> GraphTensors:
     return GraphTensors.from_graph(random_graph(num_nodes=150, num_features=60, num_classes=4, edges=500, seed=4))
-
-
-def assert_same_replica(a: TrainResult, r: int, b: TrainResult, s: int) -> None:
-    assert a.seeds[r] == b.seeds[s]
-    assert a.epochs[r] == b.epochs[s] and a.best_epoch[r] == b.best_epoch[s]
-    assert a.best_val_acc[r] == b.best_val_acc[s] and a.best_val_loss[r] == b.best_val_loss[s]
-    for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
-        assert torch.equal(p[r], q[s]), (name, (p[r] - q[s]).abs().max().item())
 
 
 def test_fused_seeds_are_independent_of_their_batch_and_of_threads(small_graph: GraphTensors) -> None:
