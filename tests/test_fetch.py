@@ -194,28 +194,25 @@ def test_a_mirror_password_is_sent_but_never_shown(
     assert base64.b64encode(b"mirror-user:s3cr@t").decode() in server.authorizations[0]
 
 
+# A server that sends a byte per 0.05 s, far below MIN_RATE_BYTES_S: in the body (0.3 s of grace), or in the status
+# line and headers, each byte well within the read timeout, so that only a deadline on the whole response (2 x 0.3 + 1
+# = 1.6 s; the server trickles for DRIP_BYTES x 0.05 = 3 s) ends it.
+TOO_SLOW = {
+    "drip": r"\d+ of [\d,]+ bytes in \d+ s \([\d.]+ KiB/s; .*not retried\)\. "
+            r"Raise download\.timeout_s in params\.yaml, or set GAT_DATA_MIRROR",
+    "drip-headers": r"no complete response headers after \d+ s "
+                    r"\(at most 2 x download\.timeout_s \+ 1 s; not retried\)\. Raise download\.timeout_s",
+}
+
+
+@pytest.mark.parametrize("fault", TOO_SLOW)
 def test_a_dripping_server_fails_at_once_leaving_nothing(
-        planetoid_folder: PlanetoidFolder, serve_folder: Callable[..., LoopbackServer], tmp_path: Path) -> None:
-    server = serve_folder(planetoid_folder.path, faults={"ind.cora.x": ["drip"] * 3})
-    message = (r"downloading http://127\.0\.0\.1:\d+/data/ind\.cora\.x too slowly: \d+ of [\d,]+ bytes in \d+ s "
-               r"\([\d.]+ KiB/s; .*not retried\)\. Raise download\.timeout_s in params\.yaml, or set GAT_DATA_MIRROR")
+        fault: str, planetoid_folder: PlanetoidFolder, serve_folder: Callable[..., LoopbackServer],
+        tmp_path: Path) -> None:
+    server = serve_folder(planetoid_folder.path, faults={"ind.cora.x": [fault] * 3})
+    message = r"downloading http://127\.0\.0\.1:\d+/data/ind\.cora\.x too slowly: " + TOO_SLOW[fault]
     with pytest.raises(StageError, match=message):
         with atomic_dir(tmp_path / "cora") as staging:
-            # 0.3 s of grace: the server sends a byte per 0.05 s, far below MIN_RATE_BYTES_S.
-            _fetch.fetch(_expected(planetoid_folder), server.base_url, staging, timeout_s=0.3, retries=2)
-    assert server.requests.count("ind.cora.x") == 1
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_a_server_that_trickles_its_headers_fails_at_once_leaving_nothing(
-        planetoid_folder: PlanetoidFolder, serve_folder: Callable[..., LoopbackServer], tmp_path: Path) -> None:
-    # Each header byte comes well within the read timeout, so only a deadline on the whole response ends it.
-    server = serve_folder(planetoid_folder.path, faults={"ind.cora.x": ["drip-headers"] * 3})
-    message = (r"downloading http://127\.0\.0\.1:\d+/data/ind\.cora\.x too slowly: no complete response headers "
-               r"after \d+ s \(at most 2 x download\.timeout_s \+ 1 s; not retried\)\. Raise download\.timeout_s")
-    with pytest.raises(StageError, match=message):
-        with atomic_dir(tmp_path / "cora") as staging:
-            # A deadline of 2 x 0.3 + 1 = 1.6 s; the server trickles for DRIP_BYTES x 0.05 = 3 s.
             _fetch.fetch(_expected(planetoid_folder), server.base_url, staging, timeout_s=0.3, retries=2)
     assert server.requests.count("ind.cora.x") == 1
     assert list(tmp_path.iterdir()) == []
