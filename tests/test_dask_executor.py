@@ -156,12 +156,24 @@ def _reproduce(pipeline: Pipeline, out: Path, *, address: str | None, check: boo
     env = {k: v for k, v in pipeline.env.items() if k != "DASK_SCHEDULER_ADDRESS"}
     if address is not None:
         env["DASK_SCHEDULER_ADDRESS"] = address
-    done = subprocess.run([str(VENV_BIN / "python"), "-m", "stages.reproduce", "--dataset", "cora", "--data",
-                           "data/prepared/cora", "--out", str(out)], cwd=pipeline.root, env=env,
-                          capture_output=True, text=True, timeout=STAGE_S)
+    done = subprocess.run(_reproduce_command(out), cwd=pipeline.root, env=env, capture_output=True, text=True,
+                          timeout=STAGE_S)
     if check:
         assert done.returncode == 0, done.stderr
     return done
+
+
+def _reproduce_command(out: Path) -> list[str]:
+    return [str(VENV_BIN / "python"), "-m", "stages.reproduce", "--dataset", "cora", "--data", "data/prepared/cora",
+            "--out", str(out)]
+
+
+def _start_reproduce(pipeline: Pipeline, address: str, out: Path, stderr: Path) -> subprocess.Popen:
+    """reproduce@cora against the scheduler at `address`, in the background; its stderr goes to `stderr`."""
+    env = {**pipeline.env, "DASK_SCHEDULER_ADDRESS": address}
+    with stderr.open("w") as err:
+        return subprocess.Popen(_reproduce_command(out), cwd=pipeline.root, env=env, stdout=subprocess.DEVNULL,
+                                stderr=err)
 
 
 def _reset(pipeline: Pipeline, **params: object) -> None:
@@ -310,12 +322,8 @@ def test_a_worker_killed_mid_run_changes_nothing(copy: Pipeline, dask_cluster: D
     dask_cluster.wait_for_workers(2)
     before = {run.info.run_id for run in copy.runs(REPRODUCE_EXPERIMENT)}
     copy.set_params(**{"reproduce.executor": "dask", "reproduce.seeds_per_batch": 1})
-    env = {**copy.env, "DASK_SCHEDULER_ADDRESS": dask_cluster.address}
     err = tmp_path / "stderr.txt"
-    with err.open("w") as stderr:
-        stage = subprocess.Popen([str(VENV_BIN / "python"), "-m", "stages.reproduce", "--dataset", "cora", "--data",
-                                  "data/prepared/cora", "--out", str(tmp_path / "dask")], cwd=copy.root, env=env,
-                                 stdout=subprocess.DEVNULL, stderr=stderr)
+    stage = _start_reproduce(copy, dask_cluster.address, tmp_path / "dask", err)
     try:
         with dask_cluster.client() as client:
             pids = dask_cluster.worker_pids(client)
@@ -360,12 +368,8 @@ def test_sigterm_cancels_the_tasks_on_the_workers(copy: Pipeline, dask_cluster: 
     dask_cluster.wait_for_workers(2)
     _reset(copy, **FOREVER, **{"reproduce.executor": "dask"})
     before = {run.info.run_id for run in copy.runs(REPRODUCE_EXPERIMENT)}
-    env = {**copy.env, "DASK_SCHEDULER_ADDRESS": dask_cluster.address}
     err = tmp_path / "stderr.txt"
-    with err.open("w") as stderr:
-        stage = subprocess.Popen([str(VENV_BIN / "python"), "-m", "stages.reproduce", "--dataset", "cora", "--data",
-                                  "data/prepared/cora", "--out", str(tmp_path / "out")], cwd=copy.root, env=env,
-                                 stdout=subprocess.DEVNULL, stderr=stderr)
+    stage = _start_reproduce(copy, dask_cluster.address, tmp_path / "out", err)
     try:
         with dask_cluster.client() as client:
             assert _poll(lambda: stage.poll() is not None or all(dask_cluster.executing(client).values()),
@@ -393,8 +397,7 @@ def test_ctrl_c_stops_a_local_cluster_and_its_workers(copy: Pipeline, tmp_path: 
     with err.open("w") as stderr:
         stage = subprocess.Popen(
             [str(VENV_BIN / "python"), "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-             "os.execv(sys.argv[1], sys.argv[1:])", str(VENV_BIN / "python"), "-m", "stages.reproduce", "--dataset",
-             "cora", "--data", "data/prepared/cora", "--out", str(tmp_path / "out")],
+             "os.execv(sys.argv[1], sys.argv[1:])", *_reproduce_command(tmp_path / "out")],
             cwd=copy.root, env={**copy.env, "GAT_DASK_DASHBOARD": "off"}, stdout=subprocess.DEVNULL, stderr=stderr,
             start_new_session=True)
     processes: list[psutil.Process] = []
