@@ -325,7 +325,7 @@ class FusedTrainer:
         # Pointer arrays for the native calls, made once per batch size (rebuilding them in every call cost more
         # than a tenth of the validation pass); `keep` replaces the tensors and clears them.
         self._pointers: tuple[int, Any, Any, Any] | None = None
-        self._dropout: tuple[ReplicaDropout | None, _Dropout, Any] | None = None
+        self._streams_of: tuple[ReplicaDropout | None, _Dropout, Any] | None = None
 
     def _tensors(self) -> tuple[int, Any, Any, Any]:
         """R, and the pointers to the parameters and both Adam moments."""
@@ -336,9 +336,9 @@ class FusedTrainer:
         return self._pointers
 
     def _streams(self, noise: ReplicaDropout | None) -> _Dropout:
-        if self._dropout is None or self._dropout[0] is not noise:
-            self._dropout = (noise, *_dropout(noise))  # the states array is kept alive with the structure
-        return self._dropout[1]
+        if self._streams_of is None or self._streams_of[0] is not noise:
+            self._streams_of = (noise, *_dropout(noise))  # the states array is kept alive with the structure
+        return self._streams_of[1]
 
     def step(self, noise: ReplicaDropout | None) -> tuple[Tensor, Tensor]:
         """One training step of every replica: loss and accuracy before it, under dropout."""
@@ -369,7 +369,7 @@ class FusedTrainer:
         self.exp_avg_sq = [v[replicas].contiguous() for v in self.exp_avg_sq]
         if noise is not None:
             noise.select(replicas)
-        self._pointers = self._dropout = None  # new tensors, fewer streams
+        self._pointers = self._streams_of = None  # new tensors, fewer streams
 
 
 _FALLBACK_SAID = False

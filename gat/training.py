@@ -195,7 +195,7 @@ class EarlyStopping:
                val_loss: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """Record one epoch of `replicas` (indices); return (save, stop) boolean masks over them."""
         replicas = np.asarray(replicas)
-        val_acc, val_loss = np.asarray(val_acc, dtype=np.float64), np.asarray(val_loss).astype(np.float64)
+        val_acc, val_loss = np.asarray(val_acc, dtype=np.float64), np.asarray(val_loss, dtype=np.float64)
         better_acc = val_acc >= self.best_acc[replicas]
         better_loss = val_loss <= self.best_loss[replicas]
         save = better_acc & better_loss

@@ -168,7 +168,7 @@ struct Workspace {
   std::vector<T> hidden;     // layer 1's output, layer 2's input [T1, H1·F1]
   std::vector<T> logits;     // [T2, C]
   std::vector<T> grad_logits, grad_hidden, grad_out, grad_g, s_target, s_source, grad_s_target, grad_s_source,
-      grad_alpha, e, grads, mask, weights_t, weights_t2, grad_weights_t, z8, alpha8;
+      grad_alpha, e, grads, mask, weights_t, weights_t2, grad_weights_t, grad_g_by_source, z8, alpha8;
   std::vector<index_t> ties;
 };
 
@@ -829,8 +829,8 @@ void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace
   const T* x = static_cast<const T*>(p.x_val);
   using V = Vec8<T>;
   // ∂L/∂g [H, S, 8] -> [S, H·8]: a source's 64 values in one place.
-  ws.grad_weights_t.resize(S * 64);
-  T* dg = ws.grad_weights_t.data();
+  ws.grad_g_by_source.resize(S * 64);
+  T* dg = ws.grad_g_by_source.data();
   for (int k = 0; k < 8; ++k)
     for (index_t j = 0; j < S; ++j) store8(dg + j * 64 + k * 8, load8(ws.grad_g.data() + (k * S + j) * 8));
   for (index_t q = 0; q < fin; ++q) {
