@@ -672,16 +672,18 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
     // ∂L/∂out^k: through ELU (concatenated heads) or the mean of the heads.
     T* dout = ws.grad_out.data();
     const T* pre = c.pre.data() + k * Tn * F;
-    if (concat) {  // ELU's derivative, exp(min(x, 0)) where x <= 0: the exps first, in a loop that vectorises
+    if (concat) {  // ELU's derivative, exp(min(x, 0)): the exps first, in a loop that vectorises
       ws.e.resize(std::max<index_t>(ws.e.size(), Tn * F));
       T* slope_of = ws.e.data();
       for (index_t n = 0; n < Tn * F; ++n) slope_of[n] = std::min(pre[n], T(0));
       exp_inplace(slope_of, Tn * F);
+      // Where x > 0 the slope is exp(0) = 1 exactly (exp_approx(0) too), and d * 1 == d to the bit: one product
+      // for every element, never `x > 0 ? d : d * slope[n]`. That conditional load is what GCC 12.2 at -O3 with
+      // AVX2 and -fno-trapping-math if-converts into vmaskmovpd/ps loads within an SLP group and gets wrong
+      // (wrong ∂L/∂W of the first layer in float64 at -march=x86-64-v3; the reproducer is in the README's
+      // "The fused kernel" section). Without the branch there is no masked load to get wrong.
       for (index_t i = 0; i < Tn; ++i)
-        for (index_t f = 0; f < F; ++f) {
-          const T d = grad_output[i * H * F + k * F + f];
-          dout[i * F + f] = pre[i * F + f] > T(0) ? d : d * slope_of[i * F + f];
-        }
+        for (index_t f = 0; f < F; ++f) dout[i * F + f] = grad_output[i * H * F + k * F + f] * slope_of[i * F + f];
     } else {
       for (index_t n = 0; n < Tn * F; ++n) dout[n] = grad_output[n] / static_cast<T>(H);
     }
