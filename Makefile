@@ -22,9 +22,10 @@ $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
 	$(PIP_INSTALL) -r requirements-dev.txt
 	touch $@
 
-# The fused training kernel (gat/csrc/fused.cpp), compiled into .venv/gat-fused/ by the system C++ compiler.
+# The fused training kernel (gat/csrc/fused.cpp), compiled into .venv/gat-fused/ by the system C++ compiler and
+# self-checked against the torch path (gat/fused_check.py) before it is used.
 # Where that is impossible it says why, and `kernel: fused` trains with the torch kernel instead.
-$(VENV)/.fused: $(VENV)/.runtime gat/csrc/fused.cpp gat/fused.py
+$(VENV)/.fused: $(VENV)/.runtime gat/csrc/fused.cpp gat/fused.py gat/fused_check.py
 	$(BIN)/python -m gat.fused --build
 	touch $@
 

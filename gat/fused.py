@@ -6,16 +6,19 @@ update with coupled L2, in place on the model's parameters. The torch implementa
 gat.training.train_step) stays the reference; `train.optim.kernel: torch` selects it.
 
 Built with the system C++ compiler (`$CXX`, else g++ or c++) into the virtual environment
-(`<sys.prefix>/gat-fused/`, or `$GAT_FUSED_DIR`), once per version of the source: `make` does it before
-anything runs (`python -m gat.fused --build`), and a process that finds no library for the current source
-compiles it itself (a few seconds). Called through ctypes: one C function, no Python or torch headers, so a
-build needs nothing but the compiler.
+(`<sys.prefix>/gat-fused/`, or `$GAT_FUSED_DIR`), once per source, flags, compiler and CPU: `make` does it before
+anything runs (`python -m gat.fused --build`), and a process that finds no library for them compiles it itself
+(half a minute). Every new build is compared with the torch path on small random graphs (gat.fused_check) before
+it is used; one that disagrees is never used, and training says so and falls back to the torch kernel. Called
+through ctypes: plain C functions, no Python or torch headers, so a build needs nothing but the compiler.
 
 Dropout masks are drawn inside the kernel from each replica's numpy PCG64 generator
 (gat.dropout.ReplicaDropout) through numpy's C interface, consumed exactly as ReplicaDropout.keep consumes
 it: both kernels draw the same masks from the same seed, and the generators end in the same state.
 
-    python -m gat.fused --build     # build (or find) the library; says why when it cannot
+    python -m gat.fused --build                 # build (or find) the library; says why when it cannot
+    python -m gat.fused --build --fingerprint   # and the weights' hash after a short run (same on every build)
+    GAT_FUSED_CXXFLAGS="-O3 -march=x86-64-v3" python -m gat.fused --build   # another optimisation or CPU level
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -42,10 +46,40 @@ from gat.graph import Neighbourhoods, SparseFeatures
 from gat.model import GAT
 
 SOURCE = Path(__file__).with_name("csrc") / "fused.cpp"
-# No -ffast-math, and no FMA contraction: the kernel keeps torch's order and rounding of each operation.
-# -march=native: the library is built on the machine that runs it (into its virtual environment).
-CXXFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c++17",
-            "-shared", "-fPIC", "-pthread")
+CHECK_SOURCE = Path(__file__).with_name("fused_check.py")
+# What the arithmetic means, in every build: no -ffast-math, no FMA contraction (the kernel keeps torch's order and
+# rounding of each operation). These are never overridden.
+SEMANTIC_FLAGS = ("-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC",
+                  "-pthread")
+# How hard to optimise, and for which CPU: $GAT_FUSED_CXXFLAGS replaces these (the build matrix of
+# tests/test_fused_builds.py: -march=x86-64-v2/-v3/-v4, sanitizers). -march=native: the library is built on the
+# machine that runs it, and the build key holds that machine's CPU, so a shared folder serves no other CPU's build.
+DEFAULT_OPTIMISATION = ("-O3", "-march=native")
+
+
+def cxxflags() -> tuple[str, ...]:
+    """The compiler flags of a build: $GAT_FUSED_CXXFLAGS (or -O3 -march=native), then SEMANTIC_FLAGS."""
+    chosen = tuple(shlex.split(os.environ.get("GAT_FUSED_CXXFLAGS", ""))) or DEFAULT_OPTIMISATION
+    return (*chosen, *SEMANTIC_FLAGS)
+
+
+def cpu_identity() -> str:
+    """The CPU a build is for: its model name and its feature flags (what -march=native reads), from /proc/cpuinfo."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    facts: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "flags") and key not in facts:
+            facts[key] = " ".join(sorted(value.split())) if key == "flags" else value.strip()
+        if len(facts) == 2:
+            break
+    return f"{facts.get('model name', '?')}; flags: {facts.get('flags', '?')}"
 
 
 MAX_FEATURES = 256  # kMaxFeatures of fused.cpp
@@ -96,20 +130,34 @@ def library_dir() -> Path:
 
 
 def library_path(compiler: str) -> Path:
-    """One file per source, flags and compiler: an edited fused.cpp is never served a stale build."""
+    """One file per source, self-check, flags, compiler and CPU: an edited fused.cpp is never served a stale build,
+    and a build folder shared between machines never serves code built for another CPU."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(CXXFLAGS).encode(), version.encode()]))
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), CHECK_SOURCE.read_bytes(), " ".join(cxxflags()).encode(),
+                                     version.encode(), cpu_identity().encode()]))
     return library_dir() / f"gat_fused-{key.hexdigest()[:16]}.so"
 
 
+def _rejection(path: Path) -> Path:
+    """Where a build that failed its self-check is recorded (with the difference), so that it isn't rebuilt."""
+    return path.with_suffix(".rejected")
+
+
 def build(verbose: bool = False) -> Path:
-    """The library for the current source, compiled unless it is there already. Raises FusedUnavailable."""
+    """The library for the current source, compiled and self-checked unless it is there already.
+
+    A new build is loaded and compared with the torch path (gat.fused_check) on the machine that built it, before
+    anything uses it: one that disagrees is never used (FusedUnavailable names the check), and the verdict is kept
+    beside it, so that later processes fall back at once. Raises FusedUnavailable.
+    """
     if os.environ.get("GAT_FUSED_DISABLE"):
         raise FusedUnavailable("GAT_FUSED_DISABLE is set")
     compiler = _compiler()
     if compiler is None:
         raise FusedUnavailable("no C++ compiler ($CXX, g++ or c++) on PATH; install g++ to build it")
     path = library_path(compiler)
+    if _rejection(path).is_file():
+        raise FusedUnavailable(_rejection(path).read_text().strip())
     if path.is_file():
         return path
     try:
@@ -117,44 +165,51 @@ def build(verbose: bool = False) -> Path:
     except OSError as error:
         raise FusedUnavailable(f"cannot create {path.parent} ({error.strerror}); set GAT_FUSED_DIR "
                                "to a writable folder") from None
-    # Compiled under a temporary name and renamed: processes building at once never load half a file.
+    # Compiled and checked under a temporary name, then renamed: processes building at once never load half a file,
+    # and nothing finds a build that has not passed its check.
     fd, partial = tempfile.mkstemp(prefix=path.stem, suffix=".so.partial", dir=path.parent)
     os.close(fd)
-    command = [compiler, *CXXFLAGS, str(SOURCE), "-o", partial]
-    if verbose:
-        print(" ".join(command), file=sys.stderr)
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        os.unlink(partial)
-        first = (done.stderr.strip().splitlines() or ["no output"])[0]
-        raise FusedUnavailable(f"{compiler} failed to compile {SOURCE.name} (exit {done.returncode}): {first}")
-    os.replace(partial, path)
+    try:
+        command = [compiler, *cxxflags(), str(SOURCE), "-o", partial]
+        if verbose:
+            print(" ".join(command), file=sys.stderr)
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no output"])[0]
+            raise FusedUnavailable(f"{compiler} failed to compile {SOURCE.name} (exit {done.returncode}): {first}")
+        from gat import fused_check
+
+        difference = fused_check.disagreement(_load(Path(partial)))
+        if difference is not None:
+            chosen = " ".join(cxxflags()[:-len(SEMANTIC_FLAGS)])
+            reason = (f"the build {path.name} ({chosen}) failed its self-check against the torch "
+                      f"path: {difference}; rebuild with GAT_FUSED_CXXFLAGS=-O2 or another compiler")
+            _write_atomically(_rejection(path), reason + "\n")
+            raise FusedUnavailable(reason)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
     return path
 
 
-_LIBRARY: Any = None
-_UNAVAILABLE: str | None = None
+def _write_atomically(path: Path, text: str) -> None:
+    fd, partial = tempfile.mkstemp(prefix=path.name, suffix=".partial", dir=path.parent)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(partial, path)
 
 
-def library() -> Any:
-    """The loaded library (built first if need be), once per process. Raises FusedUnavailable."""
-    global _LIBRARY, _UNAVAILABLE
-    if _LIBRARY is not None:
-        return _LIBRARY
-    if _UNAVAILABLE is not None:
-        raise FusedUnavailable(_UNAVAILABLE)
+def _load(path: Path) -> Any:
+    """The library at `path`, its functions typed. Raises FusedUnavailable."""
     try:
-        lib = ctypes.CDLL(str(build()))
-        lib.gat_abi_sizes.restype = ctypes.c_int64
-        for which, structure in ((0, _Problem), (1, _Dropout), (2, _Adam)):
-            if lib.gat_abi_sizes(which) != ctypes.sizeof(structure):
-                raise FusedUnavailable(f"{structure.__name__} of gat/fused.py does not match fused.cpp's layout")
-    except FusedUnavailable as error:
-        _UNAVAILABLE = str(error)
-        raise
+        lib = ctypes.CDLL(str(path))
     except OSError as error:
-        _UNAVAILABLE = f"cannot load the built library: {error}"
-        raise FusedUnavailable(_UNAVAILABLE) from None
+        raise FusedUnavailable(f"cannot load the built library: {error}") from None
+    lib.gat_abi_sizes.restype = ctypes.c_int64
+    for which, structure in ((0, _Problem), (1, _Dropout), (2, _Adam)):
+        if lib.gat_abi_sizes(which) != ctypes.sizeof(structure):
+            raise FusedUnavailable(f"{structure.__name__} of gat/fused.py does not match fused.cpp's layout")
     pointer = ctypes.c_void_p
     lib.gat_train_step_f32.argtypes = [pointer, ctypes.c_int64, *[pointer] * 9, ctypes.c_int]
     lib.gat_train_step_f64.argtypes = [pointer, ctypes.c_int64, *[pointer] * 6, ctypes.c_int]
@@ -162,8 +217,26 @@ def library() -> Any:
     lib.gat_evaluate_f64.argtypes = [pointer, ctypes.c_int64, *[pointer] * 4, ctypes.c_int]
     for function in ("gat_train_step_f32", "gat_train_step_f64", "gat_evaluate_f32", "gat_evaluate_f64"):
         getattr(lib, function).restype = ctypes.c_int
-    _LIBRARY = lib
     return lib
+
+
+_LIBRARY: Any = None
+_UNAVAILABLE: str | None = None
+
+
+def library() -> Any:
+    """The loaded library (built and checked first if need be), once per process. Raises FusedUnavailable."""
+    global _LIBRARY, _UNAVAILABLE
+    if _LIBRARY is not None:
+        return _LIBRARY
+    if _UNAVAILABLE is not None:
+        raise FusedUnavailable(_UNAVAILABLE)
+    try:
+        _LIBRARY = _load(build())
+    except FusedUnavailable as error:
+        _UNAVAILABLE = str(error)
+        raise
+    return _LIBRARY
 
 
 def unavailable_reason() -> str | None:
@@ -257,12 +330,13 @@ def model_plan(model: GAT, x: SparseFeatures, blocks: Sequence[Neighbourhoods], 
 
 
 def forward_backward(model: GAT, plan: Plan, noise: ReplicaDropout | None, dtype: torch.dtype = torch.float32,
-                     threads: int = 1) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+                     threads: int = 1, lib: Any = None) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """Loss [R], accuracy [R], logits [T2, R, C] and the gradient of the summed loss for every parameter.
 
-    No optimiser step; the parameters are read in `dtype` (float32, or float64 for the gradient check).
+    No optimiser step; the parameters are read in `dtype` (float32, or float64 for the gradient check). `lib`: a
+    loaded build (the self-check's candidate), else this process's library().
     """
-    lib = library()
+    lib = lib or library()
     parameters = [p.detach().to(dtype).contiguous() for p in model.parameters()]
     R = parameters[0].shape[0]
     grads = [torch.empty_like(p) for p in parameters]
@@ -282,9 +356,9 @@ def forward_backward(model: GAT, plan: Plan, noise: ReplicaDropout | None, dtype
 
 
 def forward(model: GAT, plan: Plan, dtype: torch.dtype = torch.float32,
-            threads: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+            threads: int = 1, lib: Any = None) -> tuple[Tensor, Tensor, Tensor]:
     """Without dropout: loss [R], accuracy [R] and logits [T2, R, C]."""
-    lib = library()
+    lib = lib or library()
     parameters = [p.detach().to(dtype).contiguous() for p in model.parameters()]
     R = parameters[0].shape[0]
     loss = torch.empty(R, dtype=dtype)
@@ -310,8 +384,8 @@ class FusedTrainer:
     betas = (0.9, 0.999)
     eps = 1e-8
 
-    def __init__(self, model: GAT, lr: float, weight_decay: float, train_view: Any, val_view: Any):
-        self.lib = library()
+    def __init__(self, model: GAT, lr: float, weight_decay: float, train_view: Any, val_view: Any, lib: Any = None):
+        self.lib = lib or library()
         self.model, self.lr, self.weight_decay = model, lr, weight_decay
         self.train_plan = model_plan(model, train_view.x, train_view.blocks, train_view.labels)
         self.val_plan = model_plan(model, val_view.x, val_view.blocks, val_view.labels)
@@ -386,16 +460,23 @@ def fallback_warning(reason: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m gat.fused", description=__doc__.split("\n")[0])
-    parser.add_argument("--build", action="store_true", help="build the library now (make does)")
-    parser.parse_args(argv)
+    parser.add_argument("--build", action="store_true", help="build and self-check the library now (make does)")
+    parser.add_argument("--fingerprint", action="store_true",
+                        help="then print the SHA-256 of the float32 weights after a short training run: the same on "
+                             "every build, CPU and optimisation level")
+    arguments = parser.parse_args(argv)
     try:
         path = build(verbose=True)
-        library()
+        lib = library()
     except FusedUnavailable as error:
         # Not an error for make: training falls back to the torch kernel and says so.
         print(f"gat.fused: not built ({error}); `kernel: fused` will train with the torch kernel", file=sys.stderr)
-        return
-    print(f"gat.fused: {path}")
+        sys.exit(2 if arguments.fingerprint else 0)
+    print(f"gat.fused: {path} (self-check passed)")
+    if arguments.fingerprint:
+        from gat import fused_check
+
+        print(f"fingerprint: {fused_check.fingerprint(lib)}")
 
 
 if __name__ == "__main__":

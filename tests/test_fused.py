@@ -15,30 +15,14 @@ import torch
 from gat import fused
 from gat.config import ModelConfig, OptimConfig
 from gat.data import Graph, file_names, parse_planetoid
+from gat.fused_check import (CASES, PAPER, check_double_precision, check_step, check_validation, checks,
+                              random_graph)
 from gat.dropout import ReplicaDropout
-from gat.graph import SparseFeatures, csr_beta_warning_silenced
 from gat.model import GAT
-from gat.training import GraphTensors, NodeView, loss_and_accuracy, train, train_step
+from gat.training import GraphTensors, NodeView, train, train_step
 from test_training import assert_same_replica  # one definition of "the same run, bit for bit"
 
 REPO = Path(__file__).resolve().parents[1]
-PAPER = ModelConfig(hidden_features=8, heads=8, output_heads=1, dropout=0.6, leaky_relu_negative_slope=0.2)
-
-
-def random_graph(num_nodes: int, num_features: int, num_classes: int, edges: int, seed: int) -> Graph:
-    """Random sparse features (some nodes without any) and random directed edges: nothing to learn, all to check."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.rand(num_nodes, num_features, generator=generator) * (torch.rand(num_nodes, num_features,
-                                                                                generator=generator) < 0.15)
-    x[::7] = 0.0  # featureless nodes: empty CSR rows
-    edge_index = torch.randint(0, num_nodes, (2, edges), generator=generator)
-    labels = torch.randint(0, num_classes, (num_nodes,), generator=generator)
-    order = torch.randperm(num_nodes, generator=generator)
-    with csr_beta_warning_silenced():
-        features = x.to_sparse_csr()
-    third = num_nodes // 3
-    return Graph(features, edge_index, labels, order[:third].sort().values, order[third:2 * third].sort().values,
-                 order[2 * third:].sort().values, num_classes)
 
 
 @pytest.fixture(scope="module")
@@ -61,23 +45,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def torch_step(model: GAT, view: NodeView, noise: ReplicaDropout | None):
-    """The reference's loss, accuracy, logits [T, R, C] and gradients, under `noise`'s masks."""
-    model.train()
-    model.zero_grad(set_to_none=True)
-    logits = model(view.x, view.blocks, noise)
-    loss, accuracy = loss_and_accuracy(logits, view.labels, view.rows)
-    loss.sum().backward()
-    return loss.detach(), accuracy, logits.detach(), [p.grad for p in model.parameters()]
-
-
-def assert_close_to_float32_rounding(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
-    # Sums of hundreds of terms in another order, some nearly cancelling (the bias gradients): the error is
-    # float32's relative to the terms, so the bound is relative to the tensor's largest value, not to each.
-    scale = expected.abs().max().item()
-    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * scale + 1e-12, msg=name)
-
-
 def test_the_library_builds_here() -> None:
     """Where a compiler exists (these machines, CI) the fused kernel must be available, not silently replaced."""
     reason = fused.unavailable_reason()
@@ -87,92 +54,35 @@ def test_the_library_builds_here() -> None:
         assert reason is not None and "compiler" in reason
 
 
-CASES = {
-    # name: (graph, model, seeds)
-    "paper layout, dropout": (dict(num_nodes=90, num_features=40, num_classes=5, edges=300, seed=0), PAPER, [0, 1]),
-    "no dropout": (dict(num_nodes=70, num_features=30, num_classes=4, edges=200, seed=1),
-                   ModelConfig(8, 8, 1, 0.0, 0.2), [5]),
-    "other sizes, heads averaged": (dict(num_nodes=60, num_features=25, num_classes=3, edges=150, seed=2),
-                                    ModelConfig(5, 3, 2, 0.5, 0.1), [2, 9, 4]),
-}
-
-
-def assert_step_equals_the_torch_path(model: GAT, view: NodeView, noise: ReplicaDropout | None,
-                                      fused_noise: ReplicaDropout | None) -> None:
-    """The fused forward and backward pass of `view` (drawing from `fused_noise`) against the torch path's (from
-    `noise`, a copy of it): logits, loss and gradients to float32 rounding, accuracy exactly."""
-    loss, accuracy, logits, grads = torch_step(model, view, noise)
-    plan = fused.model_plan(model, view.x, view.blocks, view.labels)
-    f_loss, f_accuracy, f_logits, f_grads = fused.forward_backward(model, plan, fused_noise)
-    assert_close_to_float32_rounding(f_logits, logits, "logits")
-    assert_close_to_float32_rounding(f_loss, loss, "loss")
-    assert torch.equal(f_accuracy, accuracy)
-    for (parameter, _), grad, f_grad in zip(model.named_parameters(), grads, f_grads):
-        assert_close_to_float32_rounding(f_grad, grad, parameter)
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_step_equals_the_torch_path_on_random_graphs(name: str) -> None:
-    layout, config, seeds = CASES[name]
-    graph = GraphTensors.from_graph(random_graph(**layout))
-    view = NodeView.of(graph, graph.train_idx, 2)
-    model = GAT(config, graph.x.num_features, graph.num_classes, seeds)
-    noise = ReplicaDropout(seeds, config.dropout) if config.dropout > 0 else None
-    fused_noise = copy.deepcopy(noise)
-    assert_step_equals_the_torch_path(model, view, noise, fused_noise)
-    if noise is not None:  # the same masks, drawn from the same streams, which end in the same state
-        assert fused_noise is not None
-        for a, b in zip(noise.generators, fused_noise.generators):
-            assert a.bit_generator.state == b.bit_generator.state
+    """The self-check's cases (gat.fused_check): forward, backward and validation pass against the torch path."""
+    checks(fused.library())[name]()
 
 
 def test_step_and_validation_equal_the_torch_path_on_cora(cora: GraphTensors) -> None:
     seeds = [0, 1]
     model = GAT(PAPER, cora.x.num_features, cora.num_classes, seeds)
-    train_view, val_view = (NodeView.of(cora, nodes, 2) for nodes in (cora.train_idx, cora.val_idx))
-    noise = ReplicaDropout(seeds, PAPER.dropout)
-    assert_step_equals_the_torch_path(model, train_view, noise, copy.deepcopy(noise))
-
-    # The validation pass: the torch path's eval mode (node-major, no dropout) against the fused forward pass.
-    model.eval()
-    with torch.no_grad():
-        val_logits = model(val_view.x, val_view.blocks)
-    val_loss, val_accuracy = loss_and_accuracy(val_logits, val_view.labels, val_view.rows)
-    v_loss, v_accuracy, v_logits = fused.forward(model, fused.model_plan(model, val_view.x, val_view.blocks,
-                                                                         val_view.labels))
-    assert_close_to_float32_rounding(v_logits, val_logits, "validation logits")
-    assert_close_to_float32_rounding(v_loss, val_loss, "validation loss")
-    assert torch.equal(v_accuracy, val_accuracy)
+    lib = fused.library()
+    check_step(lib, model, NodeView.of(cora, cora.train_idx, 2), ReplicaDropout(seeds, PAPER.dropout), "Cora")
+    check_validation(lib, model, NodeView.of(cora, cora.val_idx, 2), "Cora")
 
 
 def test_double_precision_gradients() -> None:
     """In float64 the fused backward pass equals autograd's through the torch layers, and finite differences."""
+    model = check_double_precision(fused.library())  # raises Disagreement, naming the parameter
     graph = GraphTensors.from_graph(random_graph(num_nodes=50, num_features=20, num_classes=3, edges=120, seed=3))
     view = NodeView.of(graph, graph.train_idx, 2)
-    seeds = [4, 8]
-    model = GAT(PAPER, graph.x.num_features, graph.num_classes, seeds).double()
-    # Biases away from their initial zeros: a featureless node's scores are then b_1 + b_2 = 0, exactly on
-    # LeakyReLU's kink, where a finite difference takes the mean of both slopes and autograd the left one.
-    generator = torch.Generator().manual_seed(1)
-    for layer in (model.hidden, model.output):
-        for bias in (layer.b_target, layer.b_source, layer.bias):
-            bias.data.uniform_(-0.5, 0.5, generator=generator)
-    noise = ReplicaDropout(seeds, PAPER.dropout)
-    view64 = NodeView(SparseFeatures(view.x.crow, view.x.col, view.x.values.double(), view.x.num_features),
-                      view.blocks, view.labels, view.rows)
+    noise = ReplicaDropout([4, 8], PAPER.dropout)
     plan = fused.model_plan(model, view.x, view.blocks, view.labels, torch.float64)
 
     def fused_loss(noise_copy: ReplicaDropout) -> tuple[torch.Tensor, list[torch.Tensor]]:
         loss, _, _, grads = fused.forward_backward(model, plan, noise_copy, dtype=torch.float64)
         return loss, grads
 
-    loss, accuracy, logits, grads = torch_step(model, view64, copy.deepcopy(noise))
-    f_loss, f_grads = fused_loss(copy.deepcopy(noise))
-    torch.testing.assert_close(f_loss, loss, rtol=1e-12, atol=0)
-    for (name, _), grad, f_grad in zip(model.named_parameters(), grads, f_grads):
-        torch.testing.assert_close(f_grad, grad, rtol=1e-10, atol=1e-14, msg=name)
-
+    f_grads = fused_loss(copy.deepcopy(noise))[1]
     # Central differences of the summed loss, under the same masks, for some entries of every parameter.
+    generator = torch.Generator().manual_seed(2)
     h = 1e-6
     for (name, parameter), f_grad in zip(model.named_parameters(), f_grads):
         flat = parameter.data.view(-1)
@@ -288,3 +198,47 @@ def test_the_benchmark_times_the_fused_kernel_and_compares_the_kernels(cora_grap
     checks = bench.check_targets({"train_step_vs_pyg": 0.03, "eval_vs_pyg": 0.2}, bench.FUSED_TARGETS)
     assert checks["train_step_vs_pyg"]["met"] is True and checks["eval_vs_pyg"]["met"] is False
     assert checks["peak_rss_mb"]["met"] is None
+
+
+def test_a_build_that_disagrees_with_the_torch_path_is_never_used(small_graph: GraphTensors, tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """A kernel with a wrong backward pass (LeakyReLU's slope halved in the first layer's softmax backward, as a
+    miscompilation might make it) compiles, fails its self-check, is recorded as rejected and never loaded: training
+    falls back to the torch kernel and says so in one line that names the check."""
+    source = fused.SOURCE.read_text()
+    wrong = source.replace("slopes = zero + static_cast<T>(p.negative_slope);\n  std::fill(ws.grad_s_source",
+                           "slopes = zero + static_cast<T>(p.negative_slope / 2);\n  std::fill(ws.grad_s_source")
+    assert wrong != source, "the mutation no longer applies to fused.cpp"
+    (tmp_path / "fused.cpp").write_text(wrong)
+    monkeypatch.setattr(fused, "SOURCE", tmp_path / "fused.cpp")
+    monkeypatch.setenv("GAT_FUSED_DIR", str(tmp_path / "built"))
+    monkeypatch.setenv("GAT_FUSED_CXXFLAGS", "-O1")  # the quickest build: the check, not the speed, is tested
+    monkeypatch.setattr(fused, "_LIBRARY", None)
+    monkeypatch.setattr(fused, "_UNAVAILABLE", None)
+    monkeypatch.setattr(fused, "_FALLBACK_SAID", False)
+    with pytest.raises(fused.FusedUnavailable, match="failed its self-check against the torch path: .*∂L/∂hidden"):
+        fused.build()
+    assert [p.suffix for p in (tmp_path / "built").iterdir()] == [".rejected"]  # no library, no partial file
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fell_back = train(small_graph, SMALL, FAST, SEEDS[:2])
+    said = [str(w.message) for w in caught if issubclass(w.category, fused.FusedFallbackWarning)]
+    assert len(said) == 1 and "self-check" in said[0] and "\n" not in said[0], said
+    reference = train(small_graph, SMALL, OptimConfig(FAST.lr, FAST.weight_decay, FAST.max_epochs, FAST.patience,
+                                                      "torch"), SEEDS[:2])
+    for r in range(2):
+        assert_same_replica(fell_back, r, reference, r)
+
+
+def test_the_build_key_holds_the_cpu_and_the_flags(monkeypatch) -> None:
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    native = fused.library_path(compiler)
+    monkeypatch.setattr(fused, "cpu_identity", lambda: "another CPU; flags: sse2")
+    assert fused.library_path(compiler) != native
+    monkeypatch.undo()
+    monkeypatch.setenv("GAT_FUSED_CXXFLAGS", "-O3 -march=x86-64-v2")
+    assert fused.library_path(compiler) != native
+    assert fused.cxxflags()[:2] == ("-O3", "-march=x86-64-v2") and "-ffp-contract=off" in fused.cxxflags()
+    assert "flags:" in fused.cpu_identity()
