@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Sequence
 
 import numpy as np
@@ -62,12 +64,44 @@ def _without_float_noise(value: float) -> float:
     return float(f"{value:.12g}")
 
 
-def histogram(values: Sequence[float], bin_width: float = 0.005) -> list[tuple[float, float, int]]:
-    """Counts of `values` in bins of `bin_width` aligned to multiples of it: [(low, high, count)]."""
-    x = np.asarray(values, dtype=np.float64)
-    # Rounding before floor/ceil keeps values that sit on an edge (0.83 = 166 * 0.005) in one bin.
-    low = math.floor(round(x.min() / bin_width, 9)) * bin_width
-    high = max(math.ceil(round(x.max() / bin_width, 9)), round(low / bin_width) + 1) * bin_width
-    edges = np.linspace(low, high, int(round((high - low) / bin_width)) + 1)
-    counts, _ = np.histogram(x, bins=edges)
-    return [(float(a), float(b), int(c)) for a, b, c in zip(edges[:-1], edges[1:], counts)]
+# The width of a histogram bin of accuracy: half a percentage point, exactly.
+BIN_WIDTH = Fraction(1, 200)
+
+
+def correct_answers(accuracies: Sequence[float], nodes: int) -> list[int]:
+    """The number of correct answers out of `nodes` that each accuracy stands for, exactly.
+
+    An accuracy is `correct / nodes` in float64 (gat.training.loss_and_accuracy), so `round(accuracy * nodes)`
+    gives back `correct`; a value that is no such fraction is a ValueError, not a guess.
+    """
+    if nodes < 1:
+        raise ValueError(f"need at least one test node, got {nodes}")
+    counts = []
+    for accuracy in accuracies:
+        correct = round(accuracy * nodes)
+        if not 0 <= correct <= nodes or correct / nodes != accuracy:
+            raise ValueError(f"{accuracy!r} is not a number of correct answers out of {nodes} nodes")
+        counts.append(correct)
+    return counts
+
+
+def histogram(correct: Sequence[int], nodes: int,
+              bin_width: Fraction = BIN_WIDTH) -> list[tuple[Fraction, Fraction, int]]:
+    """Counts of the accuracies `correct[i] / nodes` in bins of `bin_width`: [(low, high, count)], exact.
+
+    Bins are aligned to multiples of the width, from the lowest accuracy's bin to the highest's, and are
+    left-closed, [low, high): an accuracy on an edge counts in the bin above it. The last possible bin,
+    [1 - width, 1], is closed on both sides, so that 1.0 counts in it. The arithmetic is on integers and
+    fractions, never on float edges, so the counts sum to `len(correct)` and an accuracy on an edge is never
+    put in the bin below by a rounding error.
+    """
+    width = Fraction(bin_width)
+    if width <= 0 or (1 / width).denominator != 1:
+        raise ValueError(f"the bin width must divide 1 exactly (1/200, 1/100, ...), got {width}")
+    if not correct:
+        raise ValueError("no accuracies to count")
+    if any(not 0 <= c <= nodes for c in correct):
+        raise ValueError(f"correct answers must lie in [0, {nodes}], got {min(correct)} to {max(correct)}")
+    last = int(1 / width) - 1  # the bin [1 - width, 1]
+    index = Counter(min(Fraction(c, nodes) // width, last) for c in correct)
+    return [(k * width, (k + 1) * width, index[k]) for k in range(min(index), max(index) + 1)]

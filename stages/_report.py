@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+from typing import Sequence
+
 HEADER = ("| dataset | seeds | test accuracy, mean ± std | 95% CI of the mean | min – max | paper (GAT) "
           "| mean inside the paper's ± std? | epochs to stop, mean (min – max) |\n"
           "|---|---|---|---|---|---|---|---|\n")
@@ -56,21 +59,28 @@ def metrics(summary: dict) -> dict:
                    "inside_paper_band": summary["inside_paper_band"]}
 
 
-def histogram_figure(rows: list[dict], counts: list[tuple[float, float, int]], summary: dict):
-    """Per-seed test accuracy with the paper's mean ± std band and this project's mean."""
+def histogram_bins(counts: Sequence[tuple[Fraction | float, Fraction | float, int]]) -> list[dict]:
+    """gat.reproduction.histogram's bins as `histogram.csv` and `summary.json` hold them: `0.830-0.835`, seeds."""
+    return [{"test_acc_bin": f"{float(low):.3f}-{float(high):.3f}", "seeds": count} for low, high, count in counts]
+
+
+def histogram_figure(bins: Sequence[dict], summary: dict):
+    """The seeds per bin of test accuracy, the bins and counts of `histogram.csv` (`histogram_bins`) drawn as
+    they are, not binned again; with the paper's mean ± std band and this project's mean."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on the project machines; a PNG is all MLflow needs
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(6, 3.5))
-    edges = [100 * low for low, _, _ in counts] + [100 * counts[-1][1]]
-    axes.hist([100 * r["test_acc"] for r in rows], bins=edges, color="#4c72b0", edgecolor="white")
+    edges = [tuple(100 * float(edge) for edge in row["test_acc_bin"].split("-")) for row in bins]
+    axes.bar([low for low, _ in edges], [row["seeds"] for row in bins], width=[high - low for low, high in edges],
+             align="edge", color="#4c72b0", edgecolor="white")
     paper = summary["paper"]
     axes.axvspan(100 * (paper["mean"] - paper["std"]), 100 * (paper["mean"] + paper["std"]), alpha=0.2,
                  color="orange", label="paper mean ± std")
     axes.axvline(100 * summary["test"]["mean"], color="black", label="this project's mean")
-    axes.set(xlabel="test accuracy (%)", ylabel="seeds", title=f"{summary['dataset']}: {len(rows)} seeds")
+    axes.set(xlabel="test accuracy (%)", ylabel="seeds", title=f"{summary['dataset']}: {summary['seeds']} seeds")
     axes.legend()
     figure.tight_layout()
     return figure

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 
-from gat.reproduction import PAPER, PaperResult, histogram, summarise
+from gat.reproduction import PAPER, PaperResult, correct_answers, histogram, summarise
 
 
 def test_summary_of_known_numbers() -> None:
@@ -40,9 +41,69 @@ def test_paper_band() -> None:
 
 
 def test_histogram_bins_cover_every_value_once() -> None:
-    values = [0.812, 0.830, 0.831, 0.834, 0.8449]
-    bins = histogram(values, bin_width=0.005)
-    assert bins[0][0] == pytest.approx(0.810) and bins[-1][1] == pytest.approx(0.845)
-    assert sum(count for _, _, count in bins) == len(values)
-    counts = {round(low, 3): count for low, _, count in bins}
+    correct = [812, 830, 831, 834, 844]
+    bins = histogram(correct, 1000)
+    assert (bins[0][0], bins[-1][1]) == (Fraction(81, 100), Fraction(169, 200))
+    assert sum(count for _, _, count in bins) == len(correct)
+    counts = {float(low): count for low, _, count in bins}
     assert counts == {0.81: 1, 0.815: 0, 0.82: 0, 0.825: 0, 0.83: 3, 0.835: 0, 0.84: 1}
+
+
+def test_correct_answers_are_recovered_exactly() -> None:
+    assert correct_answers([830 / 1000, 0.0, 1.0, 693 / 1000], 1000) == [830, 0, 1000, 693]
+    assert correct_answers([1 / 3], 3) == [1]
+    with pytest.raises(ValueError, match="not a number of correct answers"):
+        correct_answers([0.8305], 1000)
+    with pytest.raises(ValueError, match="not a number of correct answers"):
+        correct_answers([1.001], 1000)
+
+
+def test_histogram_bins_are_left_closed_at_every_edge() -> None:
+    """Every accuracy that sits exactly on an edge (0.830 = 830/1000, which float edges from `linspace` put below
+    it) counts in the bin above it: the counts are what counting `[low, high)` by hand gives."""
+    nodes = 1000
+    correct = list(range(805, 850))  # every accuracy from 0.805 to 0.849 once: 5 per bin, one on each low edge
+    bins = histogram(correct, nodes)
+    assert [(low, high) for low, high, _ in bins] == [(Fraction(k, 200), Fraction(k + 1, 200)) for k in range(161, 170)]
+    assert [count for _, _, count in bins] == [5] * 9
+    for low, high, count in bins:
+        assert count == sum(1 for c in correct if low <= Fraction(c, nodes) < high)
+    # The issue's case: 0.830 and 0.835 on the edges of the 0.830-0.835 bin.
+    counts = {float(low): count for low, _, count in histogram([825, 829, 830, 834, 835], nodes)}
+    assert counts == {0.825: 2, 0.83: 2, 0.835: 1}
+
+
+def test_histogram_counts_every_seed_once_and_closes_the_last_bin() -> None:
+    nodes = 1000
+    top = histogram([995, 999, 1000], nodes)
+    assert top == [(Fraction(199, 200), Fraction(1), 3)]  # 1.0 counts in [0.995, 1.0], no bin above 1
+    assert histogram([0, 4, 5], nodes) == [(Fraction(0), Fraction(1, 200), 2), (Fraction(1, 200), Fraction(1, 100), 1)]
+    # A test split whose size is not a multiple of 200 (Citeseer's 1,000 is; a random split's need not be).
+    correct = list(range(0, 334))
+    bins = histogram(correct, 333)
+    assert sum(count for _, _, count in bins) == len(correct)
+    for low, high, count in bins:
+        closed = high == 1
+        assert count == sum(1 for c in correct if low <= Fraction(c, 333) and (Fraction(c, 333) < high or closed))
+    with pytest.raises(ValueError, match="divide 1"):
+        histogram([1], 10, bin_width=Fraction(3, 200))
+    with pytest.raises(ValueError, match="lie in"):
+        histogram([11], 10)
+
+
+def test_histogram_figure_draws_the_csv_bins_as_they_are() -> None:
+    """The MLflow picture is drawn from histogram.csv's rows, not binned again: one bar per row, its height
+    the row's count, its edges the row's."""
+    from stages._report import histogram_bins, histogram_figure
+
+    accuracies = [c / 1000 for c in (825, 829, 830, 830, 834, 835, 841)]
+    bins = histogram_bins(histogram(correct_answers(accuracies, 1000), 1000))
+    assert bins == [{"test_acc_bin": "0.825-0.830", "seeds": 2}, {"test_acc_bin": "0.830-0.835", "seeds": 3},
+                    {"test_acc_bin": "0.835-0.840", "seeds": 1}, {"test_acc_bin": "0.840-0.845", "seeds": 1}]
+    summary = {"dataset": "cora", "seeds": len(accuracies), "paper": vars(PAPER["cora"]),
+               "test": {"mean": sum(accuracies) / len(accuracies)}}
+    figure = histogram_figure(bins, summary)
+    (bars,) = figure.axes[0].containers
+    assert [patch.get_height() for patch in bars] == [row["seeds"] for row in bins]
+    assert [(round(patch.get_x(), 6), round(patch.get_x() + patch.get_width(), 6)) for patch in bars] == [
+        (82.5, 83.0), (83.0, 83.5), (83.5, 84.0), (84.0, 84.5)]
