@@ -18,6 +18,10 @@ The same interface as stages._workers.WorkerPool.as_completed, the `local` execu
   Dask's config wins.
 - **An unreachable scheduler** is a one-line error naming the address after CONNECT_S seconds, and a
   scheduler without workers one after WORKERS_S.
+- **The scheduler needs none of the project's code.** Each task reaches it as the standard library's
+  functions and bytes that only a worker unpickles (`_unpickled_on_worker`), so `dask scheduler` runs as
+  installed, without PYTHONPATH. A worker that cannot import the project's code (started without
+  `PYTHONPATH=$PWD`) is a one-line error naming it, and so is a scheduler that cannot read a task.
 - **The graph travels once** to each worker: it is the result of one task that the batches depend on, so a
   worker fetches it from a peer for its first batch and keeps it. Not `scatter`: scattered data can't be
   recomputed, and a worker that dies with the last replica would take every batch still to run with it.
@@ -35,8 +39,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import operator
 import os
+import pickle
 import signal
 import threading
 import uuid
@@ -44,6 +51,7 @@ import warnings
 from types import TracebackType
 from typing import Any, Callable, Iterator, Sequence
 
+import cloudpickle
 import dask
 import distributed
 from distributed import Client, LocalCluster
@@ -51,6 +59,9 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from stages._common import fail
 
+# What to do about a worker that cannot import the project's code.
+START_WORKERS = ("start every worker from the repository root of this checkout, with its .venv active and "
+                 "`PYTHONPATH=$PWD dask worker ...`, as the README's Dask sections show.")
 # How long a scheduler may take to answer before the stage gives up with an error that names it.
 CONNECT_S = 10.0
 # How long to wait for a scheduler's first worker.
@@ -104,13 +115,29 @@ def _still_wanted() -> Callable[[], bool]:
     return cancelled
 
 
-def _identity(value: Any) -> Any:
-    return value
-
-
-def run_task(function: Callable[..., Any], shared: Any, *job: Any) -> Any:
+def run_task(function: Callable[..., Any], job: tuple[Any, ...], shared: Any) -> Any:
     """What a Dask worker runs: `function(shared, *job, should_stop=...)`."""
     return function(shared, *job, should_stop=_still_wanted())
+
+
+def _pickled(value: Any) -> bytes:
+    """`value` as bytes that only a worker unpickles (`_unpickled_on_worker`)."""
+    return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _unpickled_on_worker(payload: bytes, *arguments: Any) -> tuple[Any, ...]:
+    """A task's function and arguments for `client.submit`: `pickle.loads(payload)(*arguments)` on the worker.
+
+    The scheduler unpickles every task it is sent (distributed >= 2024.12 sends the whole graph pickled), so a
+    task whose function or arguments are the project's objects needs `stages` and `gat` importable on the
+    scheduler too: `dask scheduler` started without PYTHONPATH fails every task ("Error during deserialization
+    of the task graph", from `No module named 'stages'`). Here the scheduler sees only the standard library's
+    functions and bytes: `functools.reduce(operator.call, [payload, *arguments], pickle.loads)` is
+    `pickle.loads(payload)(*arguments)` with one argument, and a dependency's future among `arguments` is
+    replaced by its result on the worker, as usual.
+    """
+    assert len(arguments) <= 1
+    return functools.reduce, operator.call, [payload, *arguments], pickle.loads
 
 
 class IgnoreCtrlC(WorkerPlugin):
@@ -143,13 +170,16 @@ class DaskPool:
         return where + (f", dashboard {self.dashboard}" if self.dashboard else "")
 
     def run_on_workers(self, function: Callable[[], Any]) -> dict[str, Any]:
-        """`function()` on every worker now, by address; an import error there is a one-line error here."""
-        try:
-            return self.client.run(function)
-        except (ImportError, AttributeError) as error:
-            fail(f"the Dask workers of {self.address} cannot run the project's code ({type(error).__name__}: "
-                 f"{error}): start them from the repository root of the same checkout, with "
-                 "`PYTHONPATH=$PWD dask worker ...` (see the README's multi-host section).")
+        """`function()` on every worker now, by address; a worker that cannot import it (started without the
+        checkout on its PYTHONPATH) is a one-line error here that names it."""
+        found = self.client.run(function, on_error="return")
+        failed = {worker: value for worker, value in found.items() if isinstance(value, BaseException)}
+        if failed:
+            worker, error = sorted(failed.items())[0]
+            others = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
+            fail(f"the Dask worker {worker}{others} of the scheduler at {self.address} cannot import the project's "
+                 f"code ({_one_line(error)}): {START_WORKERS}")
+        return found
 
     def as_completed(self, function: Callable[..., Any], shared: Any,
                      jobs: Sequence[tuple[Any, ...]]) -> Iterator[tuple[int, Any]]:
@@ -162,15 +192,27 @@ class DaskPool:
         # worker holding the last one would cancel every batch still to run.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Sending large graph")  # Pubmed's is 12 MB: sent once
-            graph = self.client.submit(_identity, shared, key=f"graph-{run}", pure=False)
+            graph = self.client.submit(pickle.loads, _pickled(shared), key=f"graph-{run}", pure=False)
         # One named key per batch: `train_seeds-<run>-<batch>` reads well on the dashboard, and is never
         # shared with another stage's tasks.
-        futures = {self.client.submit(run_task, function, graph, *job, key=f"train_seeds-{run}-{index}",
-                                      pure=False): index for index, job in enumerate(jobs)}
+        futures = {self.client.submit(*_unpickled_on_worker(_pickled(functools.partial(run_task, function, job)),
+                                                            graph),
+                                      key=f"train_seeds-{run}-{index}", pure=False): index
+                   for index, job in enumerate(jobs)}
         self._futures = [graph, *futures]
         for future in distributed.as_completed(futures, loop=self.client.loop):
             try:
                 result = future.result()
+            except RuntimeError as error:
+                if "deserialization of the task graph" not in str(error):
+                    raise
+                cause = error.__cause__ or error
+                fail(f"the Dask scheduler at {self.address} cannot read the stage's tasks ({type(cause).__name__}: "
+                     f"{_one_line(cause)}): start it with this checkout's .venv, `source .venv/bin/activate` "
+                     "first, as the README's Dask sections show.")
+            except ImportError as error:
+                fail(f"a Dask worker of the scheduler at {self.address} cannot import the project's code "
+                     f"({type(error).__name__}: {_one_line(error)}): {START_WORKERS}")
             except distributed.KilledWorker as error:
                 fail(f"Dask gave up on a batch of seeds: the workers running it died again and again ({error}). "
                      "Look at the workers' logs (out of memory?).")
@@ -217,6 +259,11 @@ class DaskPool:
         with _errors_only("distributed") if self.cluster is not None else contextlib.nullcontext():
             self.kill_local_workers()
             self.close()
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception's message on one line, at most 200 characters (Dask wraps a worker's in `Exception('...')`)."""
+    return " ".join(str(error).split())[:200] or type(error).__name__
 
 
 @contextlib.contextmanager
