@@ -85,6 +85,13 @@ def cpu_identity() -> str:
 MAX_FEATURES = 256  # kMaxFeatures of fused.cpp
 
 
+def unsupported(hidden: Sequence[int]) -> str | None:
+    """Why the kernel can't compute layers of `hidden` features per head (None: it can)."""
+    if max(hidden) > MAX_FEATURES:
+        return f"the fused kernel takes at most {MAX_FEATURES} features per head, got {max(hidden)}"
+    return None
+
+
 class FusedUnavailable(RuntimeError):
     """The fused kernel cannot be built or loaded here; the message says why and what falls back."""
 
@@ -138,6 +145,15 @@ def library_path(compiler: str) -> Path:
     return library_dir() / f"gat_fused-{key.hexdigest()[:16]}.so"
 
 
+def _digest_file(path: Path) -> Path:
+    """Where the SHA-256 of a build that passed its self-check is recorded; a library is loaded only if it matches."""
+    return path.with_suffix(".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def _rejection(path: Path) -> Path:
     """Where a build that failed its self-check is recorded (with the difference), so that it isn't rebuilt."""
     return path.with_suffix(".rejected")
@@ -158,13 +174,17 @@ def build(verbose: bool = False) -> Path:
     path = library_path(compiler)
     if _rejection(path).is_file():
         raise FusedUnavailable(_rejection(path).read_text().strip())
-    if path.is_file():
+    if path.is_file() and _digest_file(path).is_file():
         return path
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise FusedUnavailable(f"cannot create {path.parent} ({error.strerror}); set GAT_FUSED_DIR "
-                               "to a writable folder") from None
+        return _compile_and_check(compiler, path, verbose)
+    except OSError as error:  # a read-only or full build folder
+        raise FusedUnavailable(f"cannot write the build into {path.parent} ({error.strerror or error}); set "
+                               "GAT_FUSED_DIR to a writable folder") from None
+
+
+def _compile_and_check(compiler: str, path: Path, verbose: bool) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     # Compiled and checked under a temporary name, then renamed: processes building at once never load half a file,
     # and nothing finds a build that has not passed its check.
     fd, partial = tempfile.mkstemp(prefix=path.stem, suffix=".so.partial", dir=path.parent)
@@ -186,6 +206,8 @@ def build(verbose: bool = False) -> Path:
                       f"path: {difference}; rebuild with GAT_FUSED_CXXFLAGS=-O2 or another compiler")
             _write_atomically(_rejection(path), reason + "\n")
             raise FusedUnavailable(reason)
+        # The checked bytes' hash first, then the library: a library without its hash is never loaded.
+        _write_atomically(_digest_file(path), _sha256(Path(partial)) + "\n")
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):
@@ -200,13 +222,32 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
+def _verified(path: Path) -> Path:
+    """`path`, if it holds the bytes that passed the self-check (the hash recorded beside it at build time); a
+    truncated, damaged or replaced library would crash the process that loads it (SIGBUS, SIGSEGV), or run other
+    code. Raises FusedUnavailable."""
+    try:
+        recorded = _digest_file(path).read_text().strip()
+        matches = _sha256(path) == recorded
+    except OSError as error:
+        raise FusedUnavailable(f"cannot read the built library {path} or its recorded hash ({error.strerror}); "
+                               f"delete {path.parent} and run `python -m gat.fused --build`") from None
+    if not matches:
+        raise FusedUnavailable(f"{path} is not the library that was built and checked (its SHA-256 differs from "
+                               f"the one recorded at build time: damaged or replaced); delete it and run "
+                               "`python -m gat.fused --build`")
+    return path
+
+
 def _load(path: Path) -> Any:
     """The library at `path`, its functions typed. Raises FusedUnavailable."""
     try:
         lib = ctypes.CDLL(str(path))
-    except OSError as error:
-        raise FusedUnavailable(f"cannot load the built library: {error}") from None
-    lib.gat_abi_sizes.restype = ctypes.c_int64
+        lib.gat_abi_sizes.restype = ctypes.c_int64
+        for function in ("gat_train_step_f32", "gat_train_step_f64", "gat_evaluate_f32", "gat_evaluate_f64"):
+            getattr(lib, function)
+    except (OSError, AttributeError) as error:
+        raise FusedUnavailable(f"cannot load the built library {path.name}: {error}") from None
     for which, structure in ((0, _Problem), (1, _Dropout), (2, _Adam)):
         if lib.gat_abi_sizes(which) != ctypes.sizeof(structure):
             raise FusedUnavailable(f"{structure.__name__} of gat/fused.py does not match fused.cpp's layout")
@@ -232,7 +273,7 @@ def library() -> Any:
     if _UNAVAILABLE is not None:
         raise FusedUnavailable(_UNAVAILABLE)
     try:
-        _LIBRARY = _load(build())
+        _LIBRARY = _load(_verified(build()))
     except FusedUnavailable as error:
         _UNAVAILABLE = str(error)
         raise
@@ -273,9 +314,8 @@ class Plan:
            hidden: tuple[int, int], negative_slope: float, dtype: torch.dtype = torch.float32) -> "Plan":
         if len(blocks) != 2:
             raise ValueError(f"the fused kernel computes the two-layer GAT, got {len(blocks)} blocks")
-        if max(hidden) > MAX_FEATURES:
-            raise FusedUnavailable(f"the fused kernel takes at most {MAX_FEATURES} features per head, "
-                                   f"got {max(hidden)}")
+        if unsupported(hidden):
+            raise FusedUnavailable(unsupported(hidden))
         keep: list[Tensor] = []
 
         def held(t: Tensor, kind: torch.dtype = torch.int64) -> int:

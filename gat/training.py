@@ -108,6 +108,7 @@ class TrainResult:
     best_epoch: Tensor   # 1-based epoch whose weights were restored
     best_val_acc: Tensor
     best_val_loss: Tensor
+    kernel: str          # the kernel that trained it: "fused", "torch", or "torch (fused unavailable: <why>)"
 
 
 def loss_and_accuracy(logits: Tensor, labels: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
@@ -232,20 +233,38 @@ class TorchKernel:
         self.optimiser = _keep_replicas(self.model, self.optimiser, noise, replicas)
 
 
+def fused_unavailable(config: ModelConfig, num_classes: int, device: torch.device) -> str | None:
+    """Why the fused kernel can't train this model here (None: it can): its device, its sizes, or the library."""
+    if device.type != "cpu":
+        return f"it runs on the CPU, and this model is on {device}"
+    return fused.unsupported((config.hidden_features, num_classes)) or fused.unavailable_reason()
+
+
+def kernel_name(optim: OptimConfig, reason: str | None) -> str:
+    """How a run names the kernel that trained it: what `optim.kernel` asked for, or the fallback and its reason."""
+    return f"torch (fused unavailable: {reason})" if optim.kernel == "fused" and reason else optim.kernel
+
+
+def planned_kernel(config: ModelConfig, optim: OptimConfig, num_classes: int, device: torch.device) -> str:
+    """The kernel_name that :func:`train` will report for this model on this machine, before training."""
+    return kernel_name(optim, fused_unavailable(config, num_classes, device) if optim.kernel == "fused" else None)
+
+
 def training_kernel(model: GAT, optim: OptimConfig, train_view: NodeView,
-                    val_view: NodeView) -> TorchKernel | fused.FusedTrainer:
-    """`optim.kernel`'s implementation; the torch kernel where the fused one cannot run, said once per process."""
+                    val_view: NodeView) -> tuple[TorchKernel | fused.FusedTrainer, str]:
+    """`optim.kernel`'s implementation and its kernel_name; the torch kernel where the fused one cannot run, said
+    once per process."""
+    reason = None
     if optim.kernel == "fused":
         device = next(model.parameters()).device
-        if device.type != "cpu":
-            reason = f"it runs on the CPU, and this model is on {device}"
-        else:
+        reason = fused_unavailable(model.config, model.output.n_hidden, device)
+        if reason is None:
             try:
-                return fused.FusedTrainer(model, optim.lr, optim.weight_decay, train_view, val_view)
+                return fused.FusedTrainer(model, optim.lr, optim.weight_decay, train_view, val_view), "fused"
             except fused.FusedUnavailable as error:
                 reason = str(error)
         fused.fallback_warning(reason)
-    return TorchKernel(model, optim, train_view, val_view)
+    return TorchKernel(model, optim, train_view, val_view), kernel_name(optim, reason)
 
 
 def train(graph: GraphTensors, config: ModelConfig, optim: OptimConfig, seeds: Sequence[int],
@@ -267,7 +286,7 @@ def train(graph: GraphTensors, config: ModelConfig, optim: OptimConfig, seeds: S
     active = np.arange(len(seeds))  # the replicas still training, by their index in `seeds`
 
     train_view, val_view = (NodeView.of(graph, nodes, model.n_layers) for nodes in (graph.train_idx, graph.val_idx))
-    kernel = training_kernel(model, optim, train_view, val_view)
+    kernel, kernel_used = training_kernel(model, optim, train_view, val_view)
     for epoch in range(1, optim.max_epochs + 1):
         train_loss, train_acc = kernel.step(noise)
 
@@ -293,7 +312,8 @@ def train(graph: GraphTensors, config: ModelConfig, optim: OptimConfig, seeds: S
     restored = GAT(config, graph.x.num_features, graph.num_classes, seeds).to(device)
     restored.load_state_dict(checkpoint)
     return TrainResult(restored.eval(), seeds, epochs, torch.from_numpy(stopping.checkpoint_epoch),
-                       torch.from_numpy(stopping.checkpoint_acc), torch.from_numpy(stopping.checkpoint_loss))
+                       torch.from_numpy(stopping.checkpoint_acc), torch.from_numpy(stopping.checkpoint_loss),
+                       kernel_used)
 
 
 def _keep_replicas(model: GAT, optimiser: torch.optim.Adam, noise: ReplicaDropout | None,

@@ -115,18 +115,6 @@ def worker_facts() -> dict[str, str]:
     return facts
 
 
-def training_kernel(setup: Setup) -> str:
-    """The kernel that trains `setup` in this process: the fused one falls back to torch where it can't be built,
-    and the two round differently, so a worker without a compiler gives other weights."""
-    kernel = str(getattr(setup.optim, "kernel", "torch"))
-    if kernel != "fused":
-        return kernel
-    from gat import fused
-
-    reason = fused.unavailable_reason()  # built and loaded once per process; training just did it
-    return "fused" if reason is None else f"torch (fused unavailable: {reason})"
-
-
 def train_seeds(graph_tensors: Mapping[str, Tensor], setup: Setup, seeds: Sequence[int], device: torch.device,
                 should_stop: Callable[[], bool] | None = None) -> BatchResult:
     """Train one batch of seeds, restore each one's checkpoint and evaluate it.
@@ -156,4 +144,4 @@ def train_seeds(graph_tensors: Mapping[str, Tensor], setup: Setup, seeds: Sequen
          "weights_sha256": weights_sha256(result.model, r)}
         for r, seed in enumerate(result.seeds)]
     return BatchResult(rows, {seed: (started, last_epoch_at[seed]) for seed in result.seeds},
-                       {**worker_facts(), "training_kernel": training_kernel(setup)})
+                       {**worker_facts(), "training_kernel": result.kernel})

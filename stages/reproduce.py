@@ -29,10 +29,11 @@ from tqdm import tqdm
 
 from gat.config import Setup, flatten
 from gat.data import graph_to_tensors
-from gat.reproduction import PAPER, histogram, summarise
+from gat.training import planned_kernel
+from gat.reproduction import PAPER, correct_answers, histogram, summarise
 from stages._common import (device_for, fail, load_params, load_prepared, main, outputs_together, write_csv,
                             write_json)
-from stages._report import dataset_section, histogram_figure
+from stages._report import dataset_section, histogram_bins, histogram_figure
 from stages._seeds import BatchResult, code_sha256, train_seeds
 from stages._tracking import NOTE, REPRODUCE_EXPERIMENT, describe_run, log_child_runs, stage_run, standard_tags
 from stages._workers import WorkerPool, worker_pool
@@ -62,19 +63,39 @@ def _gather(pool: "WorkerPool | DaskPool", graph_tensors: dict, setup: Setup, ba
             device: torch.device, bar: tqdm) -> list[BatchResult]:
     """Every batch's result, in the order of the batches, whatever order they finished in."""
     results: dict[int, BatchResult] = {}
+    # What this process would train with (gat.training.planned_kernel): every worker must have trained with it.
+    here = planned_kernel(setup.model, setup.optim, int(graph_tensors["num_classes"]), device)
     for index, result in pool.as_completed(train_seeds, graph_tensors, [(setup, batch, device) for batch in batches]):
+        _check_kernel(result, here)  # at the first batch of another kernel: the tasks left are cancelled
         if index not in results:  # each batch once, even if a pool ever handed one back twice
             results[index] = result
             bar.update(len(result.rows))
     return [results[index] for index in range(len(batches))]
 
 
+def _where(result: BatchResult) -> str:
+    """The worker that ran a batch, as a user can find it: its Dask address, else its host and process id."""
+    facts = result.worker
+    return f"{facts.get('worker_address') or facts['worker_host']} (pid {facts['worker_pid']})"
+
+
+def _check_kernel(result: BatchResult, here: str) -> None:
+    """Fail when a worker trained with another kernel than this stage process would: one that cannot build, load or
+    self-check the fused kernel falls back to the torch one, which rounds differently, so its seeds would give other
+    weights than the same seeds here, and the results would be of no one kernel. A fallback that every process
+    shares (this machine has no compiler) is no mix: training says so once, and the parent run's tag shows it."""
+    used = result.worker["training_kernel"]
+    if used != here:
+        fail(f"the worker {_where(result)} trained with {used}, but this stage trains with {here}: a mix of kernels "
+             "gives results of no one kernel; make that worker's kernel match (see its reason), or set `kernel: torch` "
+             "in the dataset's `reproduce.protocol` block.")
+
+
 def _check_same_code(results: Sequence[BatchResult] | dict[str, str]) -> None:
     """Fail when a worker ran other training code than this process has (a Dask worker of another checkout)."""
     here = code_sha256()
     found = (results.items() if isinstance(results, dict) else
-             ((r.worker.get("worker_address") or f"{r.worker['worker_host']} pid {r.worker['worker_pid']}",
-               r.worker["code_sha256"]) for r in results))
+             ((_where(r), r.worker["code_sha256"]) for r in results))
     stale = sorted({worker for worker, digest in found if digest != here})
     if stale:
         fail(f"the worker(s) {', '.join(stale)} ran other code than this stage started with (gat/ or "
@@ -143,13 +164,16 @@ def run() -> None:
                    "paper": vars(PAPER[args.dataset]),
                    "protocol": dataclasses.asdict(setup)}
         summary["inside_paper_band"] = PAPER[args.dataset].contains(summary["test"]["mean"])
-        counts = histogram([r["test_acc"] for r in rows])
-        bins = [{"test_acc_bin": f"{low:.3f}-{high:.3f}", "seeds": count} for low, high, count in counts]
+        # One set of bins, counted exactly on the correct answers out of the test nodes: histogram.csv, the
+        # summary and the MLflow picture all show these.
+        test_nodes = int(graph.test_idx.numel())
+        bins = histogram_bins(histogram(correct_answers([r["test_acc"] for r in rows], test_nodes), test_nodes))
+        summary["test_histogram"] = {"test_nodes": test_nodes, "bins": bins}
         mlflow.log_metrics({f"{split}_acc_{key}": summary[split][key] for split in ("test", "val")
                             for key in ("mean", "std", "min", "max", "ci_low", "ci_high")}
                            | {"epochs_mean": summary["epochs"]["mean"], "seeds": len(rows)})
         mlflow.log_text(dataset_section(summary), "report.md")
-        mlflow.log_figure(histogram_figure(rows, counts, summary), "test_acc_histogram.png")
+        mlflow.log_figure(histogram_figure(bins, summary), "test_acc_histogram.png")
         log_child_runs(parent.info.run_id, parent.info.experiment_id, args.dataset, rows, timings, tags, where)
         with outputs_together():
             write_csv(args.out / "seeds.csv", rows)

@@ -67,6 +67,9 @@ def run() -> None:
 
         epochs, best_epoch = int(result.epochs[0]), int(result.best_epoch[0])
         mlflow.log_metrics({"epochs": epochs, "best_epoch": best_epoch})
+        # What trained it: `train.optim.kernel` is what was asked for; a fallback to torch (no compiler, a build that
+        # failed its self-check, a model too wide for the fused kernel) rounds differently, so the run says so.
+        mlflow.set_tag("training_kernel", result.kernel)
         mlflow.log_figure(curves_figure(history, best_epoch, f"{settings.dataset}, seed {settings.seed}"),
                           "training_curves.png")
         model = result.model.cpu()

@@ -3,18 +3,24 @@
 A module fixture (`dask_cluster`) starts `dask scheduler` and two `dask worker --nthreads 1` processes on
 127.0.0.1, dashboards off, as the README's multi-host recipe does, and stops them, with every process they
 started, at the end. Against it, with tiny params, in private copies of the session's pipeline
-(tests/pipeline_support.py): a byte-identical seeds.csv, a worker SIGKILLed mid-run, SIGTERM to the stage,
-and a two-experiment queued `dvc exp` sweep through the cluster, then `stages.compare`. Without it: an
-unreachable scheduler, and the LocalCluster the stage starts when no scheduler is named (its results, and
-Ctrl-C).
+(tests/pipeline_support.py): a byte-identical seeds.csv, a worker SIGKILLed mid-run, SIGTERM to the stage.
+The scheduler runs without PYTHONPATH: it needs none of the project's code. Without it: an unreachable
+scheduler, and the LocalCluster the stage starts when no scheduler is named (its results, and Ctrl-C).
+
+The README's Dask recipes, run as written (on free ports, all on 127.0.0.1): the queued 2 × 2 sweep through a
+scheduler and workers started with its exact command lines, then `make compare`; on the same command lines,
+workers without `PYTHONPATH=$PWD` and a worker whose fused kernel is off are one-line errors. A local worker
+that falls back to the torch kernel is refused too.
 
 Every wait is a poll with a deadline; no test asserts a duration.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,7 +33,7 @@ import distributed
 import psutil
 import pytest
 
-from pipeline_support import TINY, VENV_BIN, Pipeline, clean_env
+from pipeline_support import REPO, TINY, VENV_BIN, Pipeline, clean_env
 from stages._tracking import COMPARE_EXPERIMENT, REPRODUCE_EXPERIMENT
 
 START_S = 120.0  # how long a scheduler, a worker or a stage may take to start on a busy 2-core machine
@@ -123,7 +129,7 @@ def dask_cluster(pipeline: Pipeline, tmp_path_factory: pytest.TempPathFactory) -
         started.append(subprocess.Popen(
             [str(VENV_BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
              "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(scheduler_file)],
-            cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=_log(folder, "scheduler")))
+            cwd=folder, env=clean_env(), stdout=subprocess.DEVNULL, stderr=_log(folder, "scheduler")))  # no PYTHONPATH
         assert _poll(lambda: scheduler_file.is_file() and scheduler_file.stat().st_size > 0, START_S), \
             (folder / "scheduler.log").read_text()
         time.sleep(0.2)  # the file is written in one go, but let it be closed
@@ -150,10 +156,10 @@ def copy(pipeline: Pipeline, tmp_path_factory: pytest.TempPathFactory) -> Pipeli
 
 
 def _reproduce(pipeline: Pipeline, out: Path, *, address: str | None, check: bool = True,
-               **params: object) -> subprocess.CompletedProcess:
+               extra_env: dict[str, str] | None = None, **params: object) -> subprocess.CompletedProcess:
     """`python -m stages.reproduce` for cora in `pipeline` with `params`, on the cluster at `address`."""
     pipeline.set_params(**params)
-    env = {k: v for k, v in pipeline.env.items() if k != "DASK_SCHEDULER_ADDRESS"}
+    env = {k: v for k, v in pipeline.env.items() if k != "DASK_SCHEDULER_ADDRESS"} | (extra_env or {})
     if address is not None:
         env["DASK_SCHEDULER_ADDRESS"] = address
     done = subprocess.run(_reproduce_command(out), cwd=pipeline.root, env=env, capture_output=True, text=True,
@@ -424,57 +430,237 @@ def test_ctrl_c_stops_a_local_cluster_and_its_workers(copy: Pipeline, tmp_path: 
     assert not (tmp_path / "out").exists()
 
 
-# ------------------------------------------------------------------------------------------------- sweeps
+# ------------------------------------------------------------------------------------- the README's recipes
 
-def test_a_queued_sweep_runs_through_the_cluster_and_compare_shows_it(pipeline_copy: Pipeline,
-                                                                      dask_cluster: DaskCluster,
-                                                                      tmp_path: Path) -> None:
-    """The README's ablation: a two-value grid queued with `dvc exp run --queue -S`, run by `dvc queue start -j 2`
-    with every experiment's seeds on the same cluster; `stages.compare` then tables and plots both."""
+def _readme_dask_blocks() -> list[list[str]]:
+    """The commands of each bash block in the README's Dask sections, comments dropped, continuations joined."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Scaling out: seeds and sweeps on a Dask cluster"):]
+    section = section[:section.index("\n## ", 1)]
+    blocks = []
+    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
+        joined = re.sub(r"\\\n\s*", "", block)
+        lines = [re.split(r"\s+#\s", line)[0].strip() for line in joined.splitlines()]
+        blocks.append([line for line in lines if line and not line.startswith("#")])
+    return blocks
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ReadmeShell:
+    """Runs README commands as written, from `root`, as one shell session would: `source` and `export` carry over
+    to the next command, a command ending in `&` runs in the background (stopped by `stop`, by PID), the others in
+    the foreground. Only the README's ports change, to free ones, so that nothing clashes with another test."""
+
+    def __init__(self, root: Path, env: dict[str, str], folder: Path) -> None:
+        self.root, self.env, self.folder = root, dict(env), folder
+        self.ports = {"8786": str(_free_port()), "8787": str(_free_port())}
+        self.prefix = ""
+        self.background: list[subprocess.Popen] = []
+
+    def line(self, command: str) -> str:
+        if command.startswith("dask scheduler") or " dask worker " in f" {command}":
+            assert all(port in command for port in self.ports if "scheduler" in command or port == "8786"), \
+                f"a README port that the test cannot move: {command}"
+        for readme, port in self.ports.items():
+            command = command.replace(readme, port)
+        return command
+
+    @property
+    def address(self) -> str:
+        return f"tcp://127.0.0.1:{self.ports['8786']}"
+
+    def run(self, command: str, *, env: dict[str, str] | None = None, timeout: float = STAGE_S
+            ) -> subprocess.CompletedProcess | None:
+        command = self.line(command)
+        if command.startswith("source "):
+            self.prefix += command + " && "
+            return None
+        if command.startswith("export "):
+            name, value = command.removeprefix("export ").split("=", 1)
+            self.env[name] = value
+            return None
+        if command.endswith("&"):
+            log = (self.folder / f"background-{len(self.background)}.log").open("w")
+            self.background.append(subprocess.Popen(["bash", "-c", self.prefix + command.removesuffix("&")],
+                                                    cwd=self.root, env=self.env | (env or {}),
+                                                    stdout=subprocess.DEVNULL, stderr=log))
+            return None
+        done = subprocess.run(["bash", "-c", self.prefix + command], cwd=self.root, env=self.env | (env or {}),
+                              capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+        return done
+
+    def wait_for_workers(self, count: int) -> None:
+        with distributed.Client(self.address, timeout=START_S, set_as_default=False) as client:
+            client.wait_for_workers(count, timeout=START_S)
+
+    def stop(self, popens: list[subprocess.Popen] | None = None) -> None:
+        chosen = self.background if popens is None else popens
+        everything = [process for popen in chosen for process in _tree(popen.pid)]
+        _stop(everything)
+        for popen in chosen:
+            popen.wait(timeout=10)
+        self.background = [popen for popen in self.background if popen not in chosen]
+        assert not [p for p in everything if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture
+def readme_shell(tmp_path: Path) -> Iterator[Callable[[Pipeline], ReadmeShell]]:
+    """A ReadmeShell in a pipeline copy whose `.venv` is the test's own (as `make repro` would have made it)."""
+    shells: list[ReadmeShell] = []
+
+    def make(pipeline: Pipeline) -> ReadmeShell:
+        (pipeline.root / ".venv").symlink_to(VENV_BIN.parent)
+        with (pipeline.root / ".git/info/exclude").open("a") as exclude:
+            exclude.write(".venv\n")  # .gitignore's `.venv/` matches a folder, not this link
+        shells.append(ReadmeShell(pipeline.root, pipeline.env, tmp_path))
+        return shells[-1]
+
+    try:
+        yield make
+    finally:
+        for shell in shells:
+            shell.stop()
+
+
+def test_the_readme_sweep_runs_as_written(pipeline_copy: Pipeline, readme_shell: Callable[[Pipeline], ReadmeShell],
+                                          tmp_path: Path) -> None:
+    """Every command of the README's sweep, in order, as written (on free ports): the scheduler as installed,
+    without PYTHONPATH, two workers, a queued 2 × 2 grid run by `dvc queue start -j 2` with every experiment's
+    seeds on that cluster, and `make compare` tables and plots them."""
     import matplotlib.image
 
-    dask_cluster.wait_for_workers(2)
-    pipeline_copy.set_params(**{"reproduce.executor": "dask"})
-    pipeline_copy.commit("reproduce on the Dask cluster")
-    pipeline_copy.env["DASK_SCHEDULER_ADDRESS"] = dask_cluster.address
-    before = {run.info.run_id for run in pipeline_copy.runs(REPRODUCE_EXPERIMENT)}
-    queued = pipeline_copy.dvc("exp", "run", "--queue", "-S", "reproduce.protocol.cora.model.heads=2,4")
-    assert queued.stdout.count("Queueing with overrides") == 2, queued.stdout
+    blocks = _readme_dask_blocks()
+    sweep = next(block for block in blocks if any(line.startswith("dvc exp run --queue") for line in block))
+    assert sweep[0] == "source .venv/bin/activate" and sweep[-1] == "make compare"
+    assert sweep[1].startswith("dask scheduler") and "PYTHONPATH" not in sweep[1]
+    shell = readme_shell(pipeline_copy)
+    before = {run.info.run_id for run in _parents(pipeline_copy)}
     try:
-        pipeline_copy.dvc("queue", "start", "-j", "2")
+        for command in sweep:
+            if command.startswith("dvc queue status"):
+                def finished(command: str = command) -> bool:
+                    status = shell.run(command)
+                    assert status is not None
+                    return "Queued" not in status.stdout and "Running" not in status.stdout
 
-        def finished() -> bool:
-            status = pipeline_copy.dvc("queue", "status").stdout
-            return "Queued" not in status and "Running" not in status
-
-        assert _poll(finished, 2 * STAGE_S, 2.0), pipeline_copy.dvc("queue", "status").stdout
+                assert _poll(finished, 3 * STAGE_S, 2.0)
+                status = shell.run(command)
+                assert status is not None and status.stdout.count("Success") == 4, status.stdout
+                continue
+            if command.startswith("export "):
+                shell.run(command)
+                shell.wait_for_workers(2)  # the README's `&` lines have started them; the stages need them
+                continue
+            shell.run(command)
     finally:
-        pipeline_copy.dvc("queue", "stop", "--kill", check=False)
-    status = pipeline_copy.dvc("queue", "status").stdout
-    assert status.count("Success") == 2, status
+        with contextlib.suppress(Exception):
+            pipeline_copy.run("bash", "-c", "source .venv/bin/activate && dvc queue stop --kill", check=False)
+    assert shell.env["DASK_SCHEDULER_ADDRESS"] == shell.address
     fresh = [run for run in _parents(pipeline_copy) if run.info.run_id not in before]
-    assert sorted(run.data.params["reproduce.protocol.cora.model.heads"] for run in fresh) == ["2", "4"]
-    names = sorted(run.data.tags["dvc_exp_name"] for run in fresh)
+    # The committed combination (8 heads, dropout 0.6) has nothing to rerun: three new parent runs.
+    grid = sorted((run.data.params["reproduce.protocol.cora.model.heads"],
+                   run.data.params["reproduce.protocol.cora.model.dropout"]) for run in fresh)
+    assert grid == [("4", "0.4"), ("4", "0.6"), ("8", "0.4")]
     for parent in fresh:
-        assert parent.info.status == "FINISHED" and parent.data.tags["dask_scheduler"] == dask_cluster.address
+        assert parent.info.status == "FINISHED" and parent.data.tags["dask_scheduler"] == shell.address
+        assert parent.data.tags["dvc_exp_name"]
         children = _children(pipeline_copy, parent.info.run_id)
         assert sorted(int(run.data.tags["seed"]) for run in children) == [0, 1, 2]
-        assert {run.info.status for run in children} == {"FINISHED"}
-
-    done = pipeline_copy.python("-m", "stages.compare", *(f"--exp={name}" for name in names),
-                                "--markdown", str(tmp_path / "compare.md"), "--plot", str(tmp_path / "compare.png"))
-    table = (tmp_path / "compare.md").read_text()
+        assert {run.data.tags["worker_address"].rsplit(":", 1)[0] for run in children} == {"tcp://127.0.0.1"}
+    table = (pipeline_copy.root / "reports/compare.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| cora |")]
-    assert len(rows) == 2 and {"model.heads=2" in rows[0] or "model.heads=2" in rows[1],
-                               "model.heads=4" in rows[0] or "model.heads=4" in rows[1]} == {True}
+    assert len(rows) == 4, table  # the three new configurations and the committed one
     for parent in fresh:
         assert any(parent.info.run_id in row and parent.data.tags["dvc_exp_name"] in row for row in rows)
     means = [float(row.split("|")[4].split("±")[0]) for row in rows]
     assert means == sorted(means, reverse=True)  # best first
-    image = matplotlib.image.imread(tmp_path / "compare.png")
+    image = matplotlib.image.imread(pipeline_copy.root / "reports/compare.png")
     assert image.shape[0] > 200 and image.shape[1] > 300 and image.std() > 0.05
     (logged,) = pipeline_copy.runs(COMPARE_EXPERIMENT)
-    assert logged.info.status == "FINISHED" and logged.data.metrics["configurations"] == 2
-    artifacts = {item.path for item in pipeline_copy.client.list_artifacts(logged.info.run_id)}
-    assert {"compare.md", "compare.png", "compare.json"} <= artifacts
-    assert "2 configurations" in done.stdout
+    assert logged.info.status == "FINISHED"
+
+
+def test_the_readme_multi_host_recipe_matches_the_sweeps() -> None:
+    """The multi-host block's commands are the sweep's, but for the placeholders: the scheduler without
+    PYTHONPATH (it needs none of the project's code), each worker with `PYTHONPATH=$PWD`, `--nthreads 1`."""
+    blocks = _readme_dask_blocks()
+    (multi_host,) = [block for block in blocks if any("tcp://HOST:8786" in line for line in block)]
+    schedulers = [line for block in blocks for line in block if "dask scheduler" in line]
+    workers = [line for block in blocks for line in block if "dask worker" in line]
+    assert len(schedulers) == 2 and len(workers) == 2, blocks
+    assert all(line.startswith("dask scheduler --host ") for line in schedulers)
+    assert all(line.startswith("PYTHONPATH=$PWD dask worker tcp://") and "--nthreads 1" in line for line in workers)
+    assert "export DASK_SCHEDULER_ADDRESS=tcp://HOST:8786" in multi_host
+
+
+def test_workers_that_cannot_run_the_task_are_one_line_errors(copy: Pipeline, tmp_path: Path,
+                                                              readme_shell: Callable[[Pipeline], ReadmeShell]
+                                                              ) -> None:
+    """On the README's scheduler: workers started without `PYTHONPATH=$PWD` (they can't import the task), then
+    a worker whose fused kernel is off (it would train with the torch kernel). Each is a one-line error naming the
+    worker, exit 2, the MLflow run FAILED, nothing written. A scheduler that cannot read a task (here: one sent
+    as the project's own objects, not as bytes) is one too."""
+    from stages._common import StageError
+    from stages._dask import DaskPool
+
+    _reset(copy, **{"reproduce.executor": "dask"})
+    sweep = next(block for block in _readme_dask_blocks() if any("dask scheduler" in line for line in block))
+    (scheduler,) = [line for line in sweep if line.startswith("dask scheduler")]
+    (worker,) = [line for line in sweep if "dask worker" in line]
+    shell = readme_shell(copy)
+    shell.run("source .venv/bin/activate")
+    shell.run(scheduler)
+    shell.run(worker.removeprefix("PYTHONPATH=$PWD "))
+    shell.wait_for_workers(2)
+
+    def refused(out: Path) -> str:
+        before = {run.info.run_id for run in copy.runs(REPRODUCE_EXPERIMENT)}
+        done = _reproduce(copy, out, address=shell.address, check=False)
+        assert done.returncode == 2, done.stderr
+        line = done.stderr.strip().splitlines()[-1]
+        assert line.startswith("error: ") and "Traceback" not in done.stderr, done.stderr
+        assert [text for text in done.stderr.splitlines() if text.startswith("error: ")] == [line]
+        fresh = [run for run in copy.runs(REPRODUCE_EXPERIMENT) if run.info.run_id not in before]
+        assert [run.info.status for run in fresh] == ["FAILED"]
+        assert not out.exists()
+        return line
+
+    line = refused(tmp_path / "no-pythonpath")
+    assert "the Dask worker tcp://127.0.0.1:" in line and f"of the scheduler at {shell.address}" in line, line
+    assert "No module named 'stages'" in line and "PYTHONPATH=$PWD dask worker" in line, line
+
+    # The scheduler unpickles what it is sent: the project's objects, not bytes, it cannot read.
+    with pytest.MonkeyPatch.context() as patch, \
+            distributed.Client(shell.address, timeout=START_S, set_as_default=False) as client:
+        patch.setattr("stages._dask._pickled", lambda value: value)
+        pool = DaskPool(client, None, shell.address)
+        with pytest.raises(StageError, match=f"the Dask scheduler at {shell.address} cannot read the stage's "
+                                             r"tasks \(ModuleNotFoundError: No module named 'stages'\)"):
+            list(pool.as_completed(os.getpid, {}, [()]))
+        pool.cancel()
+
+    shell.stop(shell.background[1:])  # the workers without PYTHONPATH
+    shell.run(worker, env={"GAT_FUSED_DISABLE": "1"})
+    shell.wait_for_workers(2)
+    line = refused(tmp_path / "torch-kernel")
+    assert "the worker tcp://127.0.0.1:" in line and "trained with torch (fused unavailable: GAT_FUSED_DISABLE" \
+        in line and "but this stage trains with fused" in line, line
+
+
+def test_a_fallback_every_process_shares_is_said_and_tagged_not_refused(copy: Pipeline, tmp_path: Path) -> None:
+    """No mix: where the stage and its local workers all lack the fused kernel, they all train with the torch kernel
+    (one result of one kernel), each says so in one line naming why, and the parent run's tag shows the kernel."""
+    _reset(copy)
+    before = {run.info.run_id for run in _parents(copy)}
+    done = _reproduce(copy, tmp_path / "out", address=None, extra_env={"GAT_FUSED_DISABLE": "1"})
+    said = [line for line in done.stderr.splitlines() if "FusedFallbackWarning" in line]
+    assert said and all("GAT_FUSED_DISABLE is set" in line for line in said), done.stderr
+    assert "error:" not in done.stderr and (tmp_path / "out/seeds.csv").is_file()
+    (parent,) = [run for run in _parents(copy) if run.info.run_id not in before]
+    assert parent.data.tags["training_kernels"] == "torch (fused unavailable: GAT_FUSED_DISABLE is set)"

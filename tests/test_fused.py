@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import subprocess
 import sys
@@ -242,3 +243,70 @@ def test_the_build_key_holds_the_cpu_and_the_flags(monkeypatch) -> None:
     assert fused.library_path(compiler) != native
     assert fused.cxxflags()[:2] == ("-O3", "-march=x86-64-v2") and "-ffp-contract=off" in fused.cxxflags()
     assert "flags:" in fused.cpu_identity()
+
+
+def _fresh_library(monkeypatch, folder: Path) -> None:
+    """This process's library forgotten, the build folder moved to `folder`: the next use loads from there."""
+    monkeypatch.setenv("GAT_FUSED_DIR", str(folder))
+    monkeypatch.setattr(fused, "_LIBRARY", None)
+    monkeypatch.setattr(fused, "_UNAVAILABLE", None)
+    monkeypatch.setattr(fused, "_FALLBACK_SAID", False)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped bytes", "another library"])
+def test_a_damaged_library_is_never_loaded(damage: str, small_graph: GraphTensors, tmp_path: Path,
+                                           monkeypatch) -> None:
+    """The library's bytes are checked against the hash recorded when it was built and checked: a truncated file
+    (SIGBUS once loaded), flipped bytes (SIGSEGV) or another library under its name (AttributeError) are refused
+    before they are loaded, and training runs on the torch kernel, said in one line."""
+    built = fused.build()
+    copy_of = tmp_path / built.name
+    copy_of.write_bytes(built.read_bytes())
+    (tmp_path / built.with_suffix(".sha256").name).write_bytes(built.with_suffix(".sha256").read_bytes())
+    _fresh_library(monkeypatch, tmp_path)
+    assert fused.unavailable_reason() is None  # an intact copy with its hash loads
+    _fresh_library(monkeypatch, tmp_path)
+    data = bytearray(copy_of.read_bytes())
+    if damage == "truncated":
+        data = data[:len(data) // 2]
+    elif damage == "flipped bytes":
+        for offset in range(len(data) // 3, len(data) // 3 + 64):
+            data[offset] ^= 0xFF
+    else:
+        data = bytearray((Path(torch.__file__).parent / "lib" / "libc10.so").read_bytes())  # a real shared library
+    copy_of.write_bytes(bytes(data))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train(small_graph, SMALL, OptimConfig(0.2, 5e-4, 3, 5, "fused"), SEEDS[:1])
+    said = [str(w.message) for w in caught if issubclass(w.category, fused.FusedFallbackWarning)]
+    assert len(said) == 1 and "is not the library that was built and checked" in said[0], said
+    assert result.kernel.startswith("torch (fused unavailable: ") and str(copy_of) in result.kernel
+
+
+def test_an_unwritable_build_folder_is_one_line(small_graph: GraphTensors, tmp_path: Path, monkeypatch) -> None:
+    """A build folder that can't be created (root ignores file modes, so: a path under a regular file)."""
+    (tmp_path / "a-file").write_text("")
+    _fresh_library(monkeypatch, tmp_path / "a-file" / "gat-fused")
+    reason = fused.unavailable_reason()
+    assert reason is not None and reason.startswith("cannot write the build into ") and "GAT_FUSED_DIR" in reason
+    done = subprocess.run([sys.executable, "-m", "gat.fused", "--build"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "GAT_FUSED_DIR": str(tmp_path / "a-file" / "gat-fused")})
+    assert done.returncode == 0 and "Traceback" not in done.stderr and "cannot write the build" in done.stderr
+
+
+def test_the_kernel_that_trained_is_named(small_graph: GraphTensors) -> None:
+    """train() reports the kernel that ran; planned_kernel() predicts it before training (reproduce's check)."""
+    from gat.training import planned_kernel
+
+    device = torch.device("cpu")
+    assert train(small_graph, SMALL, FAST, SEEDS[:1]).kernel == "fused"
+    wide = ModelConfig(hidden_features=300, heads=1, output_heads=1, dropout=0.6, leaky_relu_negative_slope=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fused.FusedFallbackWarning)
+        result = train(small_graph, wide, OptimConfig(0.2, 5e-4, 2, 5, "fused"), SEEDS[:1])
+    assert result.kernel == "torch (fused unavailable: the fused kernel takes at most 256 features per head, got 300)"
+    assert planned_kernel(wide, OptimConfig(0.2, 5e-4, 2, 5, "fused"), small_graph.num_classes, device) == \
+        result.kernel
+    assert planned_kernel(SMALL, FAST, small_graph.num_classes, device) == "fused"
+    torch_optim = OptimConfig(0.2, 5e-4, 2, 5, "torch")
+    assert train(small_graph, SMALL, torch_optim, SEEDS[:1]).kernel == "torch"

@@ -43,6 +43,7 @@ def test_training_row_is_traceable_to_code_and_data(pipeline: Pipeline, planetoi
     assert row.data.tags["git_commit"] == first
     assert row.data.tags["data_sha256"] == data_digest(cora)
     assert row.data.tags["dataset"] == "cora"
+    assert row.data.tags["training_kernel"] == "fused"  # the kernel that ran, not only the param asked for it
     (dataset_input,) = row.inputs.dataset_inputs
     assert dataset_input.dataset.name == "cora"
     assert dataset_input.dataset.digest == data_digest(cora)[:16]
