@@ -1,19 +1,119 @@
 """What a trained GAT learned, in numbers: attention entropy, neighbourhoods, the embedding map and its silhouette.
 
-Pure functions of tensors (the α of :meth:`gat.model.GAT.attention`, the first layer's output of
-:meth:`gat.model.GAT.inspect`); the analyze stage draws and logs what they return.
+Pure functions of tensors (the α and the first layer's output of :func:`portable_inspect`); the analyze stage
+draws and logs what they return.
+
+Every output here is the same bytes on any x86-64 CPU, because the arithmetic avoids everything whose rounding
+is chosen by the CPU at run time: BLAS and LAPACK (OpenBLAS and MKL pick a kernel and its blocking by CPU
+model and cache size, which changes the order of a dot product's additions), numpy's and torch's vectorised
+exp/log (numpy has its own AVX-512 exp and log; torch's `ATEN_CPU_CAPABILITY` picks between Sleef and the C
+library) and torch's reductions (their order follows the vector width). What is left: +, -, ×, ÷ and √ one
+element at a time, which IEEE 754 rounds exactly whatever the vector width; sums in an order fixed by the code
+(numpy's pairwise and axis sums, scipy.sparse's row loops, np.bincount), which no library reorders by CPU; and
+exp, expm1 and log from Python's `math`, one scalar C library call each, as scikit-learn's t-SNE itself
+calls them. t-SNE amplifies any difference in its input's last bit into a different map, so it gets nothing
+that went through one of the CPU-dependent paths.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 from scipy import sparse
 from torch import Tensor
 
-from gat.graph import Neighbourhoods
+from gat.graph import Neighbourhoods, SparseFeatures
+from gat.layers import GraphAttentionLayer, elu
+from gat.model import GAT
+
+
+def _elementwise(function: Callable[[float], float], values: np.ndarray) -> np.ndarray:
+    """`function` (exp, expm1 or log from Python's math) on every element, as float64.
+
+    One scalar call of the C library per element: numpy's own exp/log are vectorised per CPU (AVX-512 or
+    not) and round differently from it; this costs about 0.1 µs an element.
+    """
+    flat = np.asarray(values, dtype=np.float64).ravel()
+    return np.fromiter(map(function, flat.tolist()), dtype=np.float64, count=flat.size).reshape(np.shape(values))
+
+
+def _segment_sum(values: np.ndarray, segment: np.ndarray, count: int) -> np.ndarray:
+    """Σ of the rows of `values` [S, ...] with the same `segment` id: [count, ...] float64, in row order.
+
+    np.bincount adds its weights one by one in the given order, on every CPU.
+    """
+    flat = values.reshape(values.shape[0], -1)
+    columns = [np.bincount(segment, weights=flat[:, k], minlength=count) for k in range(flat.shape[1])]
+    return np.stack(columns, axis=1).reshape(count, *values.shape[1:])
+
+
+@dataclass(frozen=True)
+class PortableInspection:
+    """:meth:`gat.model.GAT.inspect`'s first-layer output and α, recomputed in float64 the same on every CPU.
+
+    Shapes: hidden: [N, K·F'] float64; attention: ([E, 1, K], [E, 1, H_out]) float64, in the neighbourhoods'
+    edge order
+    """
+
+    hidden: np.ndarray
+    attention: tuple[Tensor, Tensor]
+
+
+def _portable_layer(layer: GraphAttentionLayer, inputs: sparse.csr_matrix, neighbourhoods: Neighbourhoods
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """One layer of a one-replica model in eval mode: (output [N, K·F'] or [N, F'], α [E, K]) in float64.
+
+    The same formula as GraphAttentionLayer._infer; every product sums in the CSR's stored order (scipy.sparse's
+    row loops), every exp is the C library's.
+    """
+    H, F_out = layer.n_heads, layer.n_hidden
+    parameters = {name: value.detach()[0].double().cpu().numpy() for name, value in layer.named_parameters()}
+    wide = parameters["W"].transpose(1, 0, 2).reshape(-1, H * F_out)  # [F_in, H·F'], column h·F' + f
+    g = np.asarray(inputs @ wide).reshape(-1, H, F_out)  # [N, H, F']
+    score_target = (g * parameters["a_target"]).sum(-1) + (parameters["b_target"] + parameters["b_source"])
+    score_source = (g * parameters["a_source"]).sum(-1)  # [N, H]
+    source, target = neighbourhoods.source.cpu().numpy(), neighbourhoods.target.cpu().numpy()
+    n = neighbourhoods.num_targets
+    e = score_target[target] + score_source[source]  # [E, H]
+    e = np.where(e > 0, e, e * layer.negative_slope)
+    shift = np.full((n, H), -np.inf)
+    np.maximum.at(shift, target, e)  # the max is exact in any order
+    exp = _elementwise(math.exp, e - shift[target])
+    alpha = exp / _segment_sum(exp, target, n)[target]
+    crow = neighbourhoods.crow.cpu().numpy()
+    out = np.stack([sparse.csr_matrix((alpha[:, h], source, crow), shape=(n, g.shape[0])) @ g[:, h]
+                    for h in range(H)], axis=1) + parameters["bias"]  # [N, H, F']
+    if layer.activation is not None:
+        if layer.activation is not elu:
+            raise ValueError(f"portable_inspect() knows ELU, not {layer.activation}")
+        negative = out < 0
+        out[negative] = _elementwise(math.expm1, out[negative])
+    if layer.is_concat:
+        return out.reshape(n, H * F_out), alpha
+    return out.sum(axis=1) / H, alpha
+
+
+def portable_inspect(model: GAT, x: SparseFeatures, neighbourhoods: Neighbourhoods) -> PortableInspection:
+    """What :meth:`gat.model.GAT.inspect` computes, in float64 and the same bytes on every CPU (see the module).
+
+    torch's own pass rounds by CPU: under `ATEN_CPU_CAPABILITY=default` its ELU gives other last bits than
+    under avx2 or avx512, and MKL's products depend on the CPU model. It agrees with this one to float32's
+    precision (tests/test_analysis.py). One replica, whole-graph neighbourhoods.
+    """
+    if model.n_replicas != 1:
+        raise ValueError("portable_inspect() reads a one-replica model")
+    if neighbourhoods.target_in_source is not None:
+        raise ValueError("portable_inspect() takes the whole graph's Neighbourhoods, not receptive-field blocks")
+    features = sparse.csr_matrix((x.values.double().cpu().numpy(), x.col.cpu().numpy(), x.crow.cpu().numpy()),
+                                 shape=(x.num_nodes, x.num_features))
+    hidden, alpha_hidden = _portable_layer(model.hidden, features, neighbourhoods)
+    _logits, alpha_output = _portable_layer(model.output, sparse.csr_matrix(hidden), neighbourhoods)
+    return PortableInspection(hidden=hidden, attention=(torch.from_numpy(alpha_hidden)[:, None],
+                                                        torch.from_numpy(alpha_output)[:, None]))
 
 
 def attention_entropy(alpha: Tensor, neighbourhoods: Neighbourhoods) -> Tensor:
@@ -23,19 +123,19 @@ def attention_entropy(alpha: Tensor, neighbourhoods: Neighbourhoods) -> Tensor:
         H_i = -\sum_{j \in N(i)} \alpha_{ij} \log \alpha_{ij}, \qquad 0 \le H_i \le \log |N(i)|
 
     The upper bound is uniform attention (:func:`uniform_entropy`), reached when every α_ij = 1/|N(i)|.
-    Computed in float64 with 0·log 0 = 0.
+    Computed in float64 with 0·log 0 = 0, the same on every CPU (the C library's log, sums in edge order).
 
     Shapes:
         alpha: [E, ...] in the neighbourhoods' edge order -> [N, ...]
     """
-    terms = -torch.special.xlogy(alpha.double(), alpha.double())  # [E, ...]
-    entropy = terms.new_zeros(neighbourhoods.num_targets, *alpha.shape[1:])
-    return entropy.index_add_(0, neighbourhoods.target, terms)
+    values = alpha.double().cpu().numpy()
+    terms = -values * _elementwise(math.log, np.where(values > 0, values, 1.0))  # [E, ...]
+    return torch.from_numpy(_segment_sum(terms, neighbourhoods.target.cpu().numpy(), neighbourhoods.num_targets))
 
 
 def uniform_entropy(neighbourhoods: Neighbourhoods) -> Tensor:
     """log |N(i)|: the entropy of uniform attention over node i's in-degree, self-loop included: [N] float64."""
-    return neighbourhoods.degree.double().log()
+    return torch.from_numpy(_elementwise(math.log, neighbourhoods.degree.cpu().numpy()))
 
 
 def _adjacency(neighbourhoods: Neighbourhoods) -> sparse.csr_matrix:
@@ -89,8 +189,9 @@ def neighbourhood(neighbourhoods: Neighbourhoods, attention: list[Tensor] | tupl
     hops[first] = 1
     hops[centre] = 0
     nodes = torch.nonzero(hops >= 0).view(-1)
-    alpha_second = attention[1][:, 0].double().mean(-1)  # [E]: layer 2, heads averaged
-    alpha_first = attention[0][:, 0].double().mean(-1)  # [E]: layer 1, heads averaged
+    # Heads averaged in numpy, whose sum is in a fixed order (torch's follows the CPU's vector width).
+    alpha_second = torch.from_numpy(attention[1][:, 0].double().cpu().numpy().mean(-1))  # [E]: layer 2
+    alpha_first = torch.from_numpy(attention[0][:, 0].double().cpu().numpy().mean(-1))  # [E]: layer 1
     return Neighbourhood(centre=int(centre), nodes=nodes, hops=hops[nodes],
                          edges=torch.cat([torch.stack([source[into_centre], target[into_centre]], 1),
                                           torch.stack([source[into_first], target[into_first]], 1)]),
@@ -127,10 +228,104 @@ def _spread(ids: Tensor, count: int) -> list[int]:
     return ids[torch.linspace(0, ids.numel() - 1, count).round().long()].tolist()
 
 
-def tsne(embedding: Tensor, perplexity: float, seed: int, max_iter: int) -> np.ndarray:
-    """A 2-D t-SNE map of the rows of `embedding` (scikit-learn, PCA initialisation, exact seed).
+def pairwise_distances(points: Tensor | np.ndarray) -> np.ndarray:
+    """Euclidean distances between the rows, in float64, the same bytes on every CPU: [N, N].
 
-    Deterministic for a given seed and thread count; the analyze stage runs it on one thread.
+    Σ_k (x_ik - x_jk)² coordinate by coordinate, k ascending, one numpy operation per step: each rounds
+    exactly, so the result is symmetric bit for bit, 0 on the diagonal, and free of the CPU-chosen
+    summation order of a BLAS product (scikit-learn's |x|² - 2x·y + |y|²). About 2 s for Cora's 2,708 × 64.
+
+    Shapes: points: [N, D] -> [N, N]
+    """
+    data = _float64(points)
+    columns = np.ascontiguousarray(data.T)  # [D, N]
+    n = data.shape[0]
+    distances = np.empty((n, n))
+    for start in range(0, n, 512):
+        rows = columns[:, start:start + 512]
+        total = np.zeros((rows.shape[1], n))
+        for k in range(columns.shape[0]):
+            difference = np.subtract.outer(rows[k], columns[k])
+            total += np.multiply(difference, difference, out=difference)
+        distances[start:start + rows.shape[1]] = np.sqrt(total, out=total)
+    return distances
+
+
+def _float64(points: Tensor | np.ndarray) -> np.ndarray:
+    return points.double().cpu().numpy() if isinstance(points, Tensor) else np.asarray(points, dtype=np.float64)
+
+
+def _neighbour_graph(distances: np.ndarray, neighbours: int) -> sparse.csr_matrix:
+    """Each point's `neighbours` nearest others, as scikit-learn's precomputed sparse graph: [N, N] CSR.
+
+    Row i holds i itself first (distance 0), then the others by distance, ties by index: a stable sort, whose
+    result is unique, where np.argpartition's vectorised selection may order equal distances by CPU.
+    """
+    n = distances.shape[0]
+    keys = distances.copy()
+    keys[np.arange(n), np.arange(n)] = -1.0  # a point is its own first neighbour, even among duplicates
+    order = np.argsort(keys, axis=1, kind="stable")[:, :neighbours + 1]
+    values = np.take_along_axis(distances, order, axis=1)
+    return sparse.csr_matrix((values.ravel(), order.ravel(), np.arange(0, order.size + 1, neighbours + 1)),
+                             shape=(n, n))
+
+
+def _symmetric_eigen(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eigenvalues and eigenvectors (columns) of a symmetric matrix by cyclic Jacobi rotations.
+
+    LAPACK's eigensolvers run on BLAS, whose kernels round by CPU; these rotations are scalar arithmetic
+    and elementwise numpy, exact to the last bit everywhere. Quadratic convergence: a handful of sweeps.
+    """
+    a, d = matrix.astype(np.float64, copy=True), matrix.shape[0]
+    vectors = np.eye(d)
+    threshold = 1e-17 * math.sqrt(float((a * a).sum()))
+    for _sweep in range(100):
+        rotated = False
+        for p in range(d - 1):
+            for q in range(p + 1, d):
+                apq = float(a[p, q])
+                if abs(apq) <= threshold:
+                    continue
+                rotated = True
+                theta = (float(a[q, q]) - float(a[p, p])) / (2.0 * apq)
+                t = 1.0 / (2.0 * theta) if abs(theta) > 1e150 else \
+                    math.copysign(1.0, theta) / (abs(theta) + math.sqrt(theta * theta + 1.0))
+                c = 1.0 / math.sqrt(t * t + 1.0)
+                s = t * c
+                for view in (a.T, a, vectors.T):  # columns p, q of a; then its rows; then the eigenvectors
+                    vp, vq = view[p].copy(), view[q].copy()
+                    view[p], view[q] = c * vp - s * vq, s * vp + c * vq
+                a[p, q] = a[q, p] = 0.0
+        if not rotated:
+            break
+    return np.diagonal(a).copy(), vectors
+
+
+def pca_init(points: Tensor | np.ndarray) -> np.ndarray:
+    """t-SNE's PCA initialisation as scikit-learn makes it, the same bytes on every CPU: [N, 2] float32.
+
+    The two leading principal components (sign: the largest loading positive, as scikit-learn's svd_flip),
+    scaled so that the first has standard deviation 1e-4. The covariance sums in row order and the
+    eigenvectors come from Jacobi rotations, not from a BLAS product and LAPACK.
+    """
+    data = _float64(points)
+    centred = data - data.mean(axis=0)
+    covariance = np.stack([(centred * centred[:, j:j + 1]).sum(axis=0) for j in range(data.shape[1])])
+    values, vectors = _symmetric_eigen(covariance)
+    components = vectors[:, np.argsort(-values, kind="stable")[:2]].T  # [2, D]
+    components *= np.where(components[np.arange(2), np.abs(components).argmax(1)] < 0, -1.0, 1.0)[:, None]
+    projected = np.stack([(centred * component).sum(axis=1) for component in components], axis=1).astype(np.float32)
+    return projected / np.std(projected[:, 0]) * np.float32(1e-4)
+
+
+def tsne(embedding: Tensor, perplexity: float, max_iter: int) -> np.ndarray:
+    """A 2-D t-SNE map of the rows of `embedding` (scikit-learn's Barnes-Hut, PCA initialisation).
+
+    The same bytes on every CPU: scikit-learn gets exact distances (:func:`pairwise_distances`) as a
+    precomputed neighbour graph with ties broken by index, and a PCA initialisation made without BLAS
+    (:func:`pca_init`); the rest of its t-SNE is compiled code without CPU dispatch. `min_grad_norm=0`
+    keeps the one BLAS call left (the gradient's norm, for stopping) from deciding anything. With the PCA
+    initialisation nothing random is left: no seed to set.
     Raises ValueError when the perplexity is not below the number of points.
 
     Shapes: embedding: [N, D] -> [N, 2] float32
@@ -140,17 +335,24 @@ def tsne(embedding: Tensor, perplexity: float, seed: int, max_iter: int) -> np.n
     if not perplexity < embedding.shape[0]:
         raise ValueError(f"the t-SNE perplexity ({perplexity}) must be below the number of nodes "
                          f"({embedding.shape[0]})")
-    points = TSNE(n_components=2, perplexity=perplexity, random_state=seed, max_iter=max_iter, init="pca",
-                  learning_rate="auto").fit_transform(embedding.double().cpu().numpy())
+    distances = pairwise_distances(embedding)
+    graph = _neighbour_graph(distances, min(distances.shape[0] - 1, int(3.0 * perplexity + 1)))
+    # random_state: only a random initialisation would draw from it; fixed, so nothing reads global state.
+    points = TSNE(n_components=2, perplexity=perplexity, random_state=0, max_iter=max_iter,
+                  init=pca_init(embedding), metric="precomputed", method="barnes_hut", learning_rate="auto",
+                  min_grad_norm=0.0).fit_transform(graph)
     return points.astype(np.float32)
 
 
-def silhouette(points: Tensor | np.ndarray, labels: Tensor) -> float:
+def silhouette(points: Tensor | np.ndarray, labels: Tensor, distances: np.ndarray | None = None) -> float:
     """Mean silhouette of the classes among the points (Euclidean), in [-1, 1]; 0 for overlapping classes.
 
-    Shapes: points: [N, D]; labels: [N]
+    From :func:`pairwise_distances` (or `distances`, theirs for these points), so the same on every CPU:
+    scikit-learn sums them per class with np.bincount.
+
+    Shapes: points: [N, D]; labels: [N]; distances: [N, N]
     """
     from sklearn.metrics import silhouette_score
 
-    data = points.double().cpu().numpy() if isinstance(points, Tensor) else np.asarray(points, dtype=np.float64)
-    return float(silhouette_score(data, labels.cpu().numpy(), metric="euclidean"))
+    matrix = pairwise_distances(points) if distances is None else distances
+    return float(silhouette_score(matrix, labels.cpu().numpy(), metric="precomputed"))

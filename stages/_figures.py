@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import matplotlib
@@ -145,14 +146,30 @@ def embedding_figure(points, labels, is_test, names: Sequence[str], title: str) 
     return figure
 
 
+def _shell_layout(shells: list[list[int]]) -> dict[int, tuple[float, float]]:
+    """networkx's shell_layout: ring s of radius (s + 1)/S (a lone centre at 0), turned by π/S per ring.
+
+    Not networkx's own: it takes numpy's float32 cos and sin, which are vectorised per CPU (AVX2, AVX-512 or
+    baseline code) and round differently on each, so the picture's bytes depended on the CPU. Python's scalar
+    cos and sin, rounded to 1e-9 (far below a pixel) so that no last-bit difference reaches the drawing.
+    """
+    step = rotate = 1.0 / len(shells)
+    radius = 0.0 if len(shells[0]) == 1 else step
+    positions: dict[int, tuple[float, float]] = {}
+    for ring, shell in enumerate(shells, start=1):
+        for k, node in enumerate(shell):
+            theta = math.pi * (rotate * ring + 2.0 * k / len(shell))
+            positions[node] = (round(radius * math.cos(theta), 9), round(radius * math.sin(theta), 9))
+        radius += step
+    return positions
+
+
 def neighbourhood_figure(views: Sequence, labels, predicted, names: Sequence[str], title: str) -> Figure:
     """One panel per example node: its 2-hop neighbourhood, nodes coloured by true class, each edge j -> i
     as wide as the attention α_ij that carries j towards the centre (gat.analysis.Neighbourhood).
 
     Shapes: labels, predicted: [N] class ids
     """
-    import math
-
     import networkx as nx
     from matplotlib.lines import Line2D
 
@@ -167,7 +184,7 @@ def neighbourhood_figure(views: Sequence, labels, predicted, names: Sequence[str
         widths = [0.3 + 6.0 * float(a) for a in view.alpha]
         graph.add_edges_from(view.edges.tolist())
         shells = [[n for n, hop in zip(nodes, view.hops.tolist()) if hop == h] for h in (0, 1, 2)]
-        position = nx.shell_layout(graph, [shell for shell in shells if shell])
+        position = _shell_layout([shell for shell in shells if shell])
         size = 220 if len(nodes) <= 40 else 60
         nx.draw_networkx_edges(graph, position, ax=axes, edgelist=view.edges.tolist(), width=widths,
                                edge_color="dimgray", arrows=True, arrowstyle="-|>", arrowsize=7,

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from gat.analysis import (attention_entropy, neighbourhood, pick_examples, silhouette, tsne, two_hop_sizes,
-                          uniform_entropy)
+from gat.analysis import (_neighbour_graph, attention_entropy, neighbourhood, pairwise_distances, pca_init,
+                          pick_examples, portable_inspect, silhouette, tsne, two_hop_sizes, uniform_entropy)
 from gat.config import ModelConfig
 from gat.graph import Neighbourhoods, SparseFeatures
 from gat.model import GAT
@@ -113,14 +113,85 @@ def test_tsne_is_reproducible_and_silhouette_sees_separated_classes() -> None:
     generator = torch.Generator().manual_seed(0)
     labels = torch.arange(60) % 3
     embedding = torch.randn(60, 8, generator=generator) * 0.3 + 5.0 * torch.eye(8)[labels]
-    points = tsne(embedding, perplexity=10.0, seed=4, max_iter=250)
+    points = tsne(embedding, perplexity=10.0, max_iter=250)
     assert points.shape == (60, 2) and np.isfinite(points).all()
-    assert np.array_equal(points, tsne(embedding, perplexity=10.0, seed=4, max_iter=250))
+    assert np.array_equal(points, tsne(embedding, perplexity=10.0, max_iter=250))
     assert silhouette(embedding, labels) > 0.8
     assert silhouette(points, labels) > 0.5
     assert abs(silhouette(embedding, torch.randperm(60, generator=generator) % 3)) < 0.2
     with pytest.raises(ValueError, match="perplexity"):
-        tsne(embedding, perplexity=60.0, seed=0, max_iter=250)
+        tsne(embedding, perplexity=60.0, max_iter=250)
+
+
+# The same bytes on every CPU ---------------------------------------------------------------------------------------
+
+def test_portable_inspect_computes_what_the_model_does(graph) -> None:
+    model = GAT(CONFIG, F_IN, C, seeds=[0]).eval()  # two output heads: their mean too
+    inside, portable = model.inspect(*graph), portable_inspect(model, *graph)
+    assert (portable.hidden < 0).any()  # ELU's negative side is exercised
+    np.testing.assert_allclose(portable.hidden, inside.hidden[:, 0].double().numpy(), rtol=1e-5, atol=1e-6)
+    for ours, torchs in zip(portable.attention, inside.attention, strict=True):
+        torch.testing.assert_close(ours, torchs.double(), rtol=1e-5, atol=1e-6)
+
+
+def test_distances_and_pca_init_are_exact_and_agree_with_scikit_learn() -> None:
+    from scipy.spatial.distance import cdist
+    from sklearn.decomposition import PCA
+
+    data = np.random.default_rng(0).normal(size=(50, 6)) * np.arange(6, 0, -1)
+    distances = pairwise_distances(data)
+    assert np.array_equal(distances, distances.T) and not distances.diagonal().any()
+    np.testing.assert_allclose(distances, cdist(data, data), rtol=1e-12, atol=1e-12)
+    reference = PCA(2, svd_solver="full").fit_transform(data).astype(np.float32)
+    np.testing.assert_allclose(pca_init(data), reference / np.std(reference[:, 0]) * 1e-4, rtol=1e-4, atol=1e-9)
+
+
+def test_neighbours_come_each_point_first_then_by_distance_and_index() -> None:
+    points = np.array([[0.0], [1.0], [0.0], [2.0], [1.0]])  # 0 and 2, 1 and 4 coincide
+    graph = _neighbour_graph(pairwise_distances(points), 3)
+    assert graph.indices.reshape(5, 4).tolist() == [[0, 2, 1, 4], [1, 4, 0, 2], [2, 0, 1, 4], [3, 1, 4, 0],
+                                                    [4, 1, 0, 2]]
+    assert graph.data.reshape(5, 4)[:, 0].tolist() == [0.0] * 5
+
+
+PROBE = """
+import hashlib, sys, numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+from gat.analysis import attention_entropy, portable_inspect, silhouette, tsne
+from gat.config import ModelConfig
+from gat.graph import Neighbourhoods, SparseFeatures
+from gat.model import GAT
+N, F_IN, C = 120, 40, 3
+generator = torch.Generator().manual_seed(5)
+features = torch.rand(N, F_IN, generator=generator) * (torch.rand(N, F_IN, generator=generator) < 0.3)
+pairs = torch.randint(0, N, (2, 400), generator=generator)
+x = SparseFeatures.from_csr(features)
+neighbourhoods = Neighbourhoods.from_edge_index(torch.cat([pairs, pairs.flip(0)], 1), N)
+model = GAT(ModelConfig(hidden_features=8, heads=8, output_heads=1, dropout=0.6, leaky_relu_negative_slope=0.2),
+            F_IN, C, seeds=[3]).eval()
+inside = portable_inspect(model, x, neighbourhoods)
+hidden = torch.from_numpy(inside.hidden)
+points = tsne(hidden, perplexity=10.0, max_iter=250)
+labels = torch.arange(N) % C
+for value in (inside.hidden, *[a.numpy() for a in inside.attention], points,
+              attention_entropy(inside.attention[0][:, 0], neighbourhoods).numpy(),
+              np.array([silhouette(hidden, labels), silhouette(points, labels)])):
+    print(hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest())
+"""
+
+
+def test_the_analysis_is_the_same_bytes_under_scalar_and_vector_kernels() -> None:
+    """torch's scalar and AVX2 kernels, numpy with and without its AVX2/AVX-512 loops, MKL capped at AVX2."""
+    import os
+    import subprocess
+    import sys
+
+    from test_portability import AVX2, SCALAR
+
+    env = {key: value for key, value in os.environ.items() if key not in {*AVX2, *SCALAR}}
+    hashes = [subprocess.run([sys.executable, "-c", PROBE, str(Path(__file__).parents[1])], env=env | cpu, check=True,
+                             capture_output=True, text=True, timeout=300).stdout.split() for cpu in (AVX2, SCALAR)]
+    assert len(hashes[0]) == 6 and hashes[0] == hashes[1]
 
 
 # Pictures --------------------------------------------------------------------------------------------------------
