@@ -7,12 +7,14 @@ import csv
 import io
 import json
 import os
+import pickle
 import shutil
 import signal
 import sys
 import tempfile
+import warnings
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any, Iterator, Mapping, NoReturn
 
 import torch
 import yaml
@@ -81,7 +83,38 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         fail(f"{path}{where} is not valid YAML: {error.problem or error.context}; fix it there.")
     except yaml.YAMLError as error:
         fail(f"{path} is not valid YAML: {' '.join(str(error).split())}")
-    return Params.from_dict(raw or {})
+    params = Params.from_dict(raw or {})
+    check_tracking_uri()  # the other setting every stage reads, checked as early
+    return params
+
+
+# The URI schemes MLflow's tracking and registry stores both read (`postgresql+psycopg2` counts as postgresql);
+# no scheme is a local folder.
+TRACKING_SCHEMES = ("http", "https", "sqlite", "file", "postgresql", "mysql", "mssql", "databricks", "databricks-uc",
+                    "uc")
+
+
+def check_tracking_uri() -> None:
+    """MLFLOW_TRACKING_URI, when set, names a store MLflow reads: `htp://host` would end, after the stage's
+    work, in MLflow's UnsupportedModelRegistryStoreURIException traceback."""
+    from urllib.parse import urlsplit
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return
+    try:
+        scheme = urlsplit(uri).scheme.lower()
+    except ValueError as error:  # an unbalanced `[` in the host, ...
+        scheme, problem = "", f"it is not a URI ({error})"
+    else:
+        problem = f"MLflow reads no `{scheme}://` store" if scheme else ""
+    if scheme.split("+")[0] in TRACKING_SCHEMES or not problem:
+        return
+    from stages._fetch import redact_urls
+
+    fail(f"MLFLOW_TRACKING_URI is {redact_urls(uri)!r}: {problem}; it takes "
+         f"{', '.join(f'{name}://' for name in TRACKING_SCHEMES[:7])} (a team server is http(s)://host:port). "
+         "Fix it, or unset it to track into mlflow.db.")
 
 
 def require(path: str | Path, producer: str) -> Path:
@@ -135,15 +168,99 @@ def write_csv(path: str | Path, rows: list[dict[str, Any]]) -> None:
     write_atomic(path, buffer.getvalue())
 
 
+def _damaged(path: Path, problem: str, producer: str) -> NoReturn:
+    fail(f"{path}: {problem}. Run `dvc repro --force {producer}` to write it again.")
+
+
+def _first_line(error: BaseException) -> str:
+    """`Type: message`, cut at the message's first line or sentence (torch's run on for paragraphs)."""
+    lines = str(error).strip().splitlines()
+    first = lines[0].strip().split(". ")[0].rstrip(".") if lines else ""
+    return f"{type(error).__name__}: {first[:160]}".rstrip(": ")
+
+
+def load_tensors(path: str | Path, producer: str) -> Any:
+    """`torch.load(path, weights_only=True)`, with a missing, truncated or refused file as one line.
+
+    weights_only=True refuses any pickled object that is not a tensor or a plain container before it
+    is built, so a planted payload is never run; its multi-paragraph error becomes one line here.
+    """
+    path = require(path, producer)
+    try:
+        with warnings.catch_warnings():  # "Detected pickle protocol 4": a second line on stderr, before the error
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as error:
+        # torch says "Unsupported global", "unsupported GLOBAL ... is blocked", ... by version and case.
+        if any(word in str(error).lower() for word in ("unsupported", "blocked")):
+            _damaged(path, "it holds objects other than tensors, numbers and plain containers "
+                           "(torch.load(weights_only=True) refused them; nothing in it was run)", producer)
+        _damaged(path, "not a readable torch file (its pickle is malformed)", producer)
+    except (MemoryError, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as error:  # a truncated zip, a bad header, ...: RuntimeError, EOFError, ValueError, ...
+        _damaged(path, f"not a readable torch file ({_first_line(error)})", producer)
+
+
+def load_json(path: str | Path, producer: str, keys: Mapping[str, type | tuple[type, ...]] | None = None
+              ) -> dict[str, Any]:
+    """A JSON object file with at least `keys` (name -> the JSON type of its value), or one line naming the
+    file and the stage that writes it."""
+    path = require(path, producer)
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        _damaged(path, f"not valid JSON ({_first_line(error)})", producer)
+    if not isinstance(value, dict):
+        _damaged(path, f"expected a JSON object, found a {type(value).__name__}", producer)
+    keys = keys or {}
+    missing = [key for key in keys if key not in value]
+    if missing:
+        _damaged(path, f"it lacks {', '.join(map(repr, missing))}", producer)
+    for key, kind in keys.items():
+        # bool is an int to isinstance; no key of these files is a bool.
+        if not isinstance(value[key], kind) or isinstance(value[key], bool):
+            _damaged(path, f"{key!r} is {value[key]!r}, a {type(value[key]).__name__}", producer)
+    return value
+
+
+# The train stage's run.json: what evaluate and analyze read from it, and its JSON types.
+RUN_JSON: dict[str, type] = {"run_id": str, "model": str, "model_uri": str, "epochs": int, "best_epoch": int}
+
+
 def load_prepared(folder: str | Path, dataset: str) -> tuple[Graph, dict[str, Any]]:
     """The preprocess stage's graph and meta.json, or an error naming the stage to run."""
-    folder = require(folder, f"preprocess@{dataset}")
+    producer = f"preprocess@{dataset}"
+    folder = require(folder, producer)
     for name in ("graph.pt", "meta.json"):
-        require(folder / name, f"preprocess@{dataset}")
-    meta = json.loads((folder / "meta.json").read_text())
+        require(folder / name, producer)
+    meta = load_json(folder / "meta.json", producer, {"dataset": str, "source_sha256": dict})
     if meta["dataset"] != dataset:
         fail(f"{folder} holds {meta['dataset']!r}, not {dataset!r}: pass the folder of `{dataset}`.")
-    return graph_from_tensors(torch.load(folder / "graph.pt", weights_only=True)), meta
+    tensors = load_tensors(folder / "graph.pt", producer)
+    if not isinstance(tensors, dict):
+        _damaged(folder / "graph.pt", f"expected a dict of tensors, found a {type(tensors).__name__}", producer)
+    try:
+        return graph_from_tensors(tensors), meta
+    except (MemoryError, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as error:  # a missing key (ValueError), a tensor of the wrong kind or shape, ...
+        _damaged(folder / "graph.pt", f"not a saved graph ({_first_line(error)})", producer)
+
+
+def load_model(folder: str | Path, producer: str = "train") -> tuple[dict[str, Any], Any]:
+    """The train stage's `model.pt`: its state (gat.model.model_state) and the gat.model.GAT it holds, in
+    eval mode; or one line naming the file."""
+    from gat.model import model_from_state
+
+    path = Path(folder) / "model.pt"
+    state = load_tensors(path, producer)
+    try:
+        return state, model_from_state(state)
+    except (MemoryError, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as error:  # not a dict, a missing key, weights of another shape, ...
+        _damaged(path, f"not a saved model ({_first_line(error)})", producer)
 
 
 def device_for(name: str, key: str) -> torch.device:
@@ -191,6 +308,8 @@ def write_json(path: str | Path, payload: Any) -> None:
 
 # How often a stage checks that its parent (dvc, a shell) is still there.
 PARENT_POLL_S = 0.5
+# How soon a stop that could not act yet (the main thread was in a database write) is tried again.
+RETRY_STOP_S = 0.05
 # dvc runs a stage's cmd with `/bin/sh -c` (or $SHELL), and Debian's dash does not exec the command: when
 # dvc dies, the shell lives on as the stage's parent. The watchdog looks through shells to the first
 # process that is not one.
@@ -242,6 +361,21 @@ def _lineage() -> list[int]:
     return chain
 
 
+# Code that a stop must not interrupt halfway: a SystemExit raised inside an SQLAlchemy session (MLflow's store) can
+# leave its connection checked out in an open SQLite write transaction, and the stage's cleanup, which ends the run
+# FAILED through another connection, then waits on that lock: 20 s of MLflow's busy_timeout per write, in C.
+_UNINTERRUPTIBLE = frozenset({"sqlalchemy", "mlflow", "alembic", "sqlite3"})
+
+
+def _inside_uninterruptible(frame: Any) -> bool:
+    """Whether the main thread, stopped at `frame`, is inside _UNINTERRUPTIBLE's packages."""
+    while frame is not None:
+        if str(frame.f_globals.get("__name__", "")).partition(".")[0] in _UNINTERRUPTIBLE:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _first_gone(lineage: list[int]) -> int | None:
     """The first process of `lineage` that is no longer where it was (each one the parent of the one before)."""
     if os.getppid() != lineage[0]:
@@ -280,7 +414,7 @@ class _Interrupts:
         self.previous_hook = sys.unraisablehook
         self.watchdog = threading.Thread(target=self._watch, name="stage-watchdog", daemon=True)
 
-    def handle(self, signum: int, _frame: Any) -> None:
+    def handle(self, signum: int, frame: Any) -> None:
         import time
 
         if self.pending is not None or self.exiting:
@@ -288,10 +422,12 @@ class _Interrupts:
         if _HOLD.depth:
             _HOLD.held = signum  # outputs are being written: stop once they all are
             return
-        stop = self.pending = SystemExit(128 + (self.signum or signum))
         if self.signum is None:
             self.signum, self.stop_asked = signum, time.monotonic()
             _say(f"error: {self.reason or f'interrupted by {signal.Signals(signum).name}'}: {_STOPPED}")
+        if _inside_uninterruptible(frame):
+            return  # not here: the watchdog sends the signal again every RETRY_STOP_S, until it lands outside
+        stop = self.pending = SystemExit(128 + self.signum)
         raise stop
 
     def unraisable(self, info: Any) -> None:
@@ -308,7 +444,8 @@ class _Interrupts:
 
         parent_gone = False
         while not self.done.is_set():
-            self.wake.wait(PARENT_POLL_S)
+            # A stop asked for but not raised yet (deferred out of a database write, or swallowed): soon again.
+            self.wake.wait(RETRY_STOP_S if self.signum is not None and self.pending is None else PARENT_POLL_S)
             self.wake.clear()
             if self.done.is_set():
                 return
@@ -345,20 +482,62 @@ class _Interrupts:
                 self.exiting = True
 
 
+def _exit_now(code: int) -> NoReturn:
+    """Exit once a stopped stage has cleaned up, without the interpreter's teardown.
+
+    That teardown (finalize_modules: several full garbage collections over torch, MLflow, SQLAlchemy,
+    pandas and pyarrow, then every module's objects freed one by one) costs about 2 s of CPU and saves
+    nothing: on a busy machine it kept a stopped stage alive for 10 s and more after it had ended its run,
+    with no thread left to force the exit (daemon threads, the watchdog included, are frozen once the
+    interpreter finalizes). The atexit handlers still run (logging, MLflow, tempfile's and
+    multiprocessing's finalizers: semaphores are unlinked, so the resource tracker has nothing to warn
+    about), the watchdog still forcing the exit should one of them hang; then stdout and stderr are
+    flushed and the process ends.
+    """
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a pipe whose reader (a dead dvc) is gone
+                pass
+        os._exit(code)
+
+
 def main(run) -> None:
     """Run a stage's `run()`: user errors become one clear line and exit code 2.
 
     SIGTERM, SIGINT (Ctrl-C) and the death of the parent process (dvc) stop the stage within a few
-    seconds (under 1 s to act, then the interpreter's own shutdown), with one line on stderr, the MLflow
-    run FAILED, no output written and exit code 128 + the signal (143; 130 for Ctrl-C).
+    seconds (under 1 s to act and end the MLflow run, then an exit that skips the interpreter's teardown),
+    with one line on stderr, the MLflow run FAILED, no output written and exit code 128 + the signal
+    (143; 130 for Ctrl-C).
     """
     # Measured on the 2-core machines: with 2 intra-op threads, MKL's sparse products stall
     # (16 ms instead of 0.04 ms for Cora's x @ W), so one thread per process is fastest;
     # the reproduce stage gets its parallelism from one process per core instead.
     torch.set_num_threads(1)
-    with _Interrupts().installed():
-        try:
-            run()
-        except (ParamsError, StageError) as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(2)
+    # The process is the stage's own (`python -m stages.train`, run() defined in __main__), not a test that
+    # calls main() in its own process: only then does a stop end the process at once.
+    owns_process = getattr(run, "__module__", None) == "__main__"
+    interrupts = _Interrupts()
+    try:
+        with interrupts.installed():
+            try:
+                run()
+            except (ParamsError, StageError) as error:
+                print(f"error: {error}", file=sys.stderr)
+                sys.exit(2)
+    except SystemExit:
+        if interrupts.signum is None or not owns_process:
+            raise
+    except BaseException:
+        if interrupts.signum is None or not owns_process:
+            raise
+        import traceback
+
+        traceback.print_exc()  # a bug in the cleanup after a stop: shown, as Python would
+    if interrupts.signum is not None and owns_process:  # stopped and cleaned up (or run() swallowed the stop)
+        _exit_now(128 + interrupts.signum)

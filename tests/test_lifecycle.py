@@ -100,6 +100,23 @@ if __name__ == "__main__":
     main(run)
 '''
 
+# A stand-in for a stage whose interpreter shutdown never ends: a thread that is not a daemon, which Python joins
+# before the atexit handlers (the real stages' shutdown is slow, not endless: torch's, MLflow's and SQLAlchemy's
+# modules take about 2 s of CPU to tear down, 10 s and more on a busy machine).
+ENDLESS_SHUTDOWN_STAGE = '''
+import threading, time
+from stages._common import main
+
+def run():
+    threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()
+    print("running", flush=True)
+    while True:
+        time.sleep(0.05)
+
+if __name__ == "__main__":
+    main(run)
+'''
+
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -161,6 +178,22 @@ def _kill(processes: Iterable[psutil.Process]) -> None:
             pass
 
 
+def _dump_stacks(processes: Iterable[psutil.Process]) -> list[str]:
+    """The command lines of the processes still running; the Python ones among them (started with
+    PYTHONFAULTHANDLER=1) are sent SIGABRT, so that each writes every thread's stack to its stderr."""
+    stuck = _alive(processes)
+    described = []
+    for process in stuck:
+        try:
+            described.append(f"pid {process.pid} ({process.status()}): {' '.join(process.cmdline())}")
+            if "python" in process.name() or "python" in " ".join(process.cmdline()[:1]):
+                process.send_signal(signal.SIGABRT)
+        except psutil.Error:
+            pass
+    _poll(lambda: not _alive(stuck), REAP_S)
+    return described
+
+
 # Starts a command with Ctrl-C's default action, as from a terminal: a test runner that itself runs as a
 # background job (`make test &`, some CI runners) ignores SIGINT, and its children would inherit that.
 WITH_DEFAULT_SIGINT = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
@@ -168,11 +201,12 @@ WITH_DEFAULT_SIGINT = [sys.executable, "-c", "import os, signal, sys; signal.sig
 
 
 def _start(script: str, tmp_path: Path, *args: str, **popen: object) -> tuple[subprocess.Popen, Path, Path]:
-    """Run `script` with stdout and stderr to files (a pipe nobody reads could block it)."""
+    """Run `script` with stdout and stderr to files (a pipe nobody reads could block it), and with
+    PYTHONFAULTHANDLER, so that _dump_stacks can make it (and its workers) show where they are."""
     path = tmp_path / "stage.py"
     path.write_text(script)
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}
     with out.open("w") as stdout, err.open("w") as stderr:
         process = subprocess.Popen([*WITH_DEFAULT_SIGINT, sys.executable, str(path), *args], cwd=tmp_path, env=env,
                                    stdout=stdout, stderr=stderr, **popen)  # type: ignore[call-overload]
@@ -181,6 +215,19 @@ def _start(script: str, tmp_path: Path, *args: str, **popen: object) -> tuple[su
 
 def _lines(path: Path, prefix: str) -> list[str]:
     return [line for line in path.read_text().splitlines() if line.startswith(prefix)]
+
+
+def _wait_started(process: subprocess.Popen, out: Path, err: Path, jobs: int = 2) -> None:
+    """Wait until `jobs` jobs of POOL_STAGE have printed "started"; else fail with what the stage and its
+    workers were doing (each one's stack, from faulthandler) and everything they wrote on stderr."""
+    if _poll(lambda: len(_lines(out, "started")) >= jobs or process.poll() is not None, START_S):
+        if len(_lines(out, "started")) == jobs:
+            return
+    tree = [] if process.poll() is not None else [psutil.Process(process.pid), *_descendants(process.pid)]
+    stuck = _dump_stacks(tree)
+    pytest.fail(f"{len(_lines(out, 'started'))} of {jobs} jobs started in {START_S:.0f} s; the stage "
+                f"{'exited ' + str(process.poll()) if not tree else 'and its children: ' + repr(stuck)}\n"
+                f"stdout:\n{out.read_text()[-2000:]}\nstderr:\n{err.read_text()[-12000:]}")
 
 
 class Cleanup:
@@ -226,8 +273,8 @@ def test_results_come_in_order_and_the_pool_leaves_no_process(tmp_path: Path, cl
 def test_workers_die_with_a_killed_parent(tmp_path: Path, cleanup: Cleanup) -> None:
     process, out, err = _start(POOL_STAGE, tmp_path, "600", "600", "600")
     try:
-        assert _poll(lambda: len(_lines(out, "started")) == 2 or process.poll() is not None, START_S)
-        assert len(_lines(out, "started")) == 2, err.read_text()
+        cleanup.watch(process.pid)
+        _wait_started(process, out, err)
         cleanup.watch(process.pid)
         workers = _workers(process.pid)
         assert len(workers) == 2 and all(_armed(worker) for worker in workers)
@@ -244,8 +291,8 @@ def test_a_signal_stops_running_jobs_at_once(tmp_path: Path, cleanup: Cleanup, s
     """Ctrl-C reaches the whole foreground process group: the workers get SIGINT too."""
     process, out, err = _start(POOL_STAGE, tmp_path, "600", "600", "600", start_new_session=True)
     try:
-        assert _poll(lambda: len(_lines(out, "started")) == 2 or process.poll() is not None, START_S)
-        assert len(_lines(out, "started")) == 2, err.read_text()
+        cleanup.watch(process.pid)
+        _wait_started(process, out, err)
         cleanup.watch(process.pid)
         os.killpg(process.pid, signum)
         assert process.wait(timeout=STOP_S) == 128 + signum
@@ -314,6 +361,26 @@ def test_a_stop_swallowed_by_a_finalizer_still_stops_the_stage(tmp_path: Path, c
             code = process.wait(timeout=STOP_S)
         except subprocess.TimeoutExpired:
             pytest.fail(f"still running {STOP_S:.0f} s after SIGTERM:\n{err.read_text()[-2000:]}")
+    finally:
+        process.kill()
+    assert code == 128 + signal.SIGTERM
+    assert err.read_text().strip() == ("error: interrupted by SIGTERM: stopping; the MLflow run is marked FAILED "
+                                       "and no output is written.")
+
+
+def test_a_stopped_stage_exits_without_the_interpreter_teardown(tmp_path: Path, cleanup: Cleanup) -> None:
+    """Once the stop is handled (the run ended, outputs discarded, workers killed), the stage exits at once, with
+    the atexit handlers run but not the interpreter's shutdown: here, that would wait for the thread forever."""
+    process, out, err = _start(ENDLESS_SHUTDOWN_STAGE, tmp_path)
+    try:
+        assert _poll(lambda: bool(_lines(out, "running")) or process.poll() is not None, START_S)
+        cleanup.watch(process.pid)
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {STOP_S:.0f} s after SIGTERM: {_dump_stacks([psutil.Process(process.pid)])}"
+                        f"\n{err.read_text()[-4000:]}")
     finally:
         process.kill()
     assert code == 128 + signal.SIGTERM
@@ -412,14 +479,18 @@ def test_killed_reproduce_takes_its_workers_with_it(pipeline_copy: Pipeline, tmp
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
-def test_a_stage_whose_dvc_dies_stops_and_writes_nothing(pipeline_copy: Pipeline, cleanup: Cleanup,
+def test_a_stage_whose_dvc_dies_stops_and_writes_nothing(pipeline_copy: Pipeline, tmp_path: Path, cleanup: Cleanup,
                                                          signum: int) -> None:
     """`dvc repro` killed alone (not its process group): the train stage it ran stops on its own."""
     pipeline_copy.set_params(**{"train.optim.max_epochs": 100000, "train.optim.patience": 100000})
     lock = (pipeline_copy.root / "dvc.lock").read_bytes()
     before = _run_ids(pipeline_copy, TRAIN_EXPERIMENT)
-    dvc = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "train"], cwd=pipeline_copy.root, env=pipeline_copy.env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # The stage inherits dvc's stdout and stderr: files, so that a failure shows what the stage said, and
+    # PYTHONFAULTHANDLER, so that a stage still running at the end dumps every thread's stack there (SIGABRT).
+    out, err = tmp_path / "dvc-stdout.txt", tmp_path / "dvc-stderr.txt"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        dvc = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "train"], cwd=pipeline_copy.root,
+                               env={**pipeline_copy.env, "PYTHONFAULTHANDLER": "1"}, stdout=stdout, stderr=stderr)
     try:
         def training() -> bool:
             run = _new_run(pipeline_copy, TRAIN_EXPERIMENT, before)
@@ -433,11 +504,15 @@ def test_a_stage_whose_dvc_dies_stops_and_writes_nothing(pipeline_copy: Pipeline
         dvc.send_signal(signum)
         dvc.wait(timeout=STOP_S)
         started = time.monotonic()
-        assert _poll(lambda: not _alive(cleanup.seen.values()), STOP_S), \
-            f"still running after dvc died: {[' '.join(p.cmdline()) for p in _alive(cleanup.seen.values())]}"
+        if not _poll(lambda: not _alive(cleanup.seen.values()), STOP_S):
+            pytest.fail(f"still running {STOP_S:.0f} s after dvc died: {_dump_stacks(cleanup.seen.values())}\n"
+                        f"the stage's stderr:\n{err.read_text()[-6000:]}")
         print(f"train stage gone {time.monotonic() - started:.1f} s after dvc")
     finally:
         dvc.kill()
+    if signum == signal.SIGKILL:  # dvc said nothing: the stage's one line says what happened
+        assert (f"error: the parent process (dvc, pid {dvc.pid}) is gone: stopping; the MLflow run is marked FAILED "
+                "and no output is written.") in err.read_text(), err.read_text()[-4000:]
     run = _new_run(pipeline_copy, TRAIN_EXPERIMENT, before)
     assert run.info.status == "FAILED"
     assert "test_acc" not in run.data.metrics
