@@ -262,6 +262,16 @@ def _normalise_rows(features: sparse.csr_matrix) -> sparse.csr_matrix:
 
 def _adjacency_arrays(adjacency_lists: Mapping[Any, Any], name: str, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
     """(sources, targets) of every listed edge, each id checked to be a node. Shapes: -> [E_raw], [E_raw]"""
+    # numpy turns the string "12" into the node 12 without a word: only integers are node ids.
+    for node, neighbours in adjacency_lists.items():
+        if not _is_node_id(node):
+            raise ValueError(f"{name}: the key {node!r} is a {type(node).__name__}, not a node id; "
+                             "the graph maps integer node ids to lists of integer node ids")
+        stray = next((other for other in neighbours if not _is_node_id(other)), None) \
+            if isinstance(neighbours, (list, tuple)) else None
+        if stray is not None:
+            raise ValueError(f"{name}: node {node}'s neighbour {stray!r} is a {type(stray).__name__}, not a node id; "
+                             "the graph maps integer node ids to lists of integer node ids")
     try:
         degrees = [len(neighbours) for neighbours in adjacency_lists.values()]
         sources = np.repeat(np.fromiter(adjacency_lists.keys(), dtype=np.int64, count=len(adjacency_lists)), degrees)
@@ -271,6 +281,10 @@ def _adjacency_arrays(adjacency_lists: Mapping[Any, Any], name: str, num_nodes: 
     if len(targets) and (min(sources.min(), targets.min()) < 0 or max(sources.max(), targets.max()) >= num_nodes):
         raise ValueError(f"{name}: a node id is outside [0, {num_nodes})")
     return sources, targets
+
+
+def _is_node_id(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _edge_index(sources: np.ndarray, targets: np.ndarray, num_nodes: int) -> Tensor:
@@ -345,9 +359,14 @@ def parse_planetoid(raw: Mapping[str, bytes], dataset: str) -> Graph:
     one_hot = _place_test_rows(ally, ty, test_index)
     labels = np.where(one_hot.any(axis=1), one_hot.argmax(axis=1), -1)
     num_nodes = len(labels)
+    edge_index = _edge_index(*_adjacency_arrays(adjacency_lists, names["graph"], num_nodes), num_nodes)
+    if edge_index.shape[1] == 0:
+        # Attention over self-loops alone is a per-node MLP: nothing a graph model would be measured on.
+        raise ValueError(f"{names['graph']}: holds no edges between distinct nodes (only self-loops, or none); "
+                         "a citation graph links its papers")
     return Graph(
         features=_from_scipy(features),
-        edge_index=_edge_index(*_adjacency_arrays(adjacency_lists, names["graph"], num_nodes), num_nodes),
+        edge_index=edge_index,
         labels=torch.from_numpy(labels.astype(np.int64)),
         train_idx=torch.arange(num_train),
         val_idx=torch.arange(num_train, num_train + NUM_VAL),

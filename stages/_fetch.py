@@ -77,6 +77,14 @@ def redact(url: str) -> str:
     return url if userinfo is None else url.replace(f"{userinfo}@", f"{_redacted_userinfo(userinfo)}@", 1)
 
 
+_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+
+
+def redact_urls(text: str) -> str:
+    """`text` (a message that may quote URLs) with the user and password of every URL in it replaced by `***`."""
+    return _USERINFO.sub(r"\1***@", text)
+
+
 def _redact_text(text: str, url: str) -> str:
     """`text` (an exception's message, which may quote the URL) with `url`'s userinfo masked, decoded or not."""
     userinfo = _userinfo(url)

@@ -5,8 +5,10 @@
 Writes five PNGs and `metrics.json` (mean attention entropy per layer against uniform attention, the
 silhouette of the classes in the first layer's output and in its t-SNE map), and logs them all into the
 training configuration's MLflow run (the one train and evaluate write; its id is in run.json), under
-`analysis/`. Same params, same bytes: the t-SNE seed is a param, every computation runs on one thread,
-and the PNGs carry no library version.
+`analysis/`. Same params, same bytes, on any x86-64 CPU: the α and the first layer's output are recomputed
+in float64 without any CPU-dispatched arithmetic (gat.analysis.portable_inspect), and so are the distances,
+the PCA initialisation and the neighbours that t-SNE and the silhouettes start from (see gat.analysis);
+every computation runs on one thread, and the PNGs carry no library version.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ import torch
 from sklearn.metrics import confusion_matrix
 from threadpoolctl import threadpool_limits
 
-from gat.analysis import (attention_entropy, neighbourhood, pick_examples, silhouette, tsne, two_hop_sizes,
-                          uniform_entropy)
-from gat.model import model_from_state
+from gat.analysis import (attention_entropy, neighbourhood, pick_examples, portable_inspect, silhouette, tsne,
+                          two_hop_sizes, uniform_entropy)
 from gat.training import GraphTensors, evaluate
-from stages._common import fail, load_params, load_prepared, main, outputs_together, require, write_atomic
+from stages._common import (RUN_JSON, fail, load_json, load_model, load_params, load_prepared, main,
+                            outputs_together, require, write_atomic)
 from stages._figures import (class_names, confusion_figure, curves_figure, embedding_figure, entropy_figure,
                              neighbourhood_figure, png_bytes)
 from stages._tracking import stage_run
@@ -56,8 +58,8 @@ def run() -> None:
     params = load_params()
     settings, dataset = params.analyze, params.train.dataset
     graph, _meta = load_prepared(args.data, dataset)
-    state = torch.load(require(args.train / "model.pt", "train"), weights_only=True)
-    trained = json.loads(require(args.train / "run.json", "train").read_text())
+    state, model = load_model(args.train)
+    trained = load_json(args.train / "run.json", "train", {key: RUN_JSON[key] for key in ("run_id", "best_epoch")})
     with require(args.train / "history.csv", "train").open() as handle:
         history = [{key: float(value) for key, value in row.items()} for row in csv.DictReader(handle)]
 
@@ -78,9 +80,10 @@ def run() -> None:
 
     matplotlib.rcdefaults()  # a user's matplotlibrc must not change the pictures
     tensors = GraphTensors.from_graph(graph)
-    model = model_from_state(state)
     result = evaluate(model, tensors)  # the predictions that the evaluate stage reports
-    inside = model.inspect(tensors.x, tensors.neighbourhoods)
+    # Not model.inspect(): torch's float32 pass rounds by CPU (ATEN_CPU_CAPABILITY, MKL), and t-SNE turns a
+    # last-bit difference into another map. This float64 pass gives the same bytes everywhere.
+    inside = portable_inspect(model, tensors.x, tensors.neighbourhoods)
     predicted = result.predicted[:, 0]
     names = class_names(dataset, graph.num_classes)
 
@@ -93,9 +96,9 @@ def run() -> None:
     ratios = [metrics[f"attention_entropy_layer{layer}"] / metrics["attention_entropy_uniform"] for layer in (1, 2)]
 
     # 2. The first layer's output of every labelled node, mapped by t-SNE; one thread, so the map is reproducible.
-    hidden, labels = inside.hidden[labelled, 0], graph.labels[labelled]
+    hidden, labels = torch.from_numpy(inside.hidden[labelled.numpy()]), graph.labels[labelled]
     with threadpool_limits(limits=1):
-        points = tsne(hidden, settings.tsne_perplexity, settings.tsne_seed, settings.tsne_max_iter)
+        points = tsne(hidden, settings.tsne_perplexity, settings.tsne_max_iter)
         metrics["silhouette_layer1"] = _metric(silhouette(hidden, labels))
         metrics["silhouette_tsne"] = _metric(silhouette(points, labels))
     is_test = torch.isin(labelled, graph.test_idx).numpy()
@@ -116,8 +119,8 @@ def run() -> None:
                               f"attention (ratio {ratios[0]:.4f} in layer 1, {ratios[1]:.4f} in layer 2)"),
         "embedding_tsne.png": embedding_figure(
             points, labels.numpy(), is_test, names,
-            f"{dataset}: t-SNE of layer 1's output (perplexity {settings.tsne_perplexity:g}, seed "
-            f"{settings.tsne_seed})\nclass silhouette {metrics['silhouette_layer1']:.3f} in the "
+            f"{dataset}: t-SNE of layer 1's output (perplexity {settings.tsne_perplexity:g}, PCA start)"
+            f"\nclass silhouette {metrics['silhouette_layer1']:.3f} in the "
             f"{hidden.shape[1]}-d output, {metrics['silhouette_tsne']:.3f} in the map"),
         "neighbourhoods.png": neighbourhood_figure(
             views, graph.labels, predicted, names,

@@ -30,9 +30,9 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
 from gat.reproduction import PAPER
-from stages._common import fail, main, repo_root, write_atomic
+from stages._common import check_tracking_uri, fail, main, repo_root, write_atomic
 from stages._report import pct
-from stages._tracking import COMPARE_EXPERIMENT, REPRODUCE_EXPERIMENT, stage_run, tracking_uri
+from stages._tracking import COMPARE_EXPERIMENT, REPRODUCE_EXPERIMENT, shown_uri, stage_run, use_store
 
 # The params of a reproduction that change its result (the others say where and how fast it ran).
 RESULT_PARAMS = ("reproduce.seeds", "reproduce.first_seed")
@@ -179,8 +179,9 @@ def run() -> None:
     parser.add_argument("--plot", type=Path, default=Path("reports/compare.png"))
     parser.add_argument("--no-log", action="store_true", help="don't log the table and plot to MLflow")
     args = parser.parse_args()
-    store = tracking_uri()
-    mlflow.set_tracking_uri(store)
+    check_tracking_uri()
+    use_store()  # a server is checked first: unreachable or refusing is one line
+    store = shown_uri()  # for messages and the table: never a password
     configs = configurations(parent_runs(MlflowClient(), args.exp))
     if not configs:
         which = f"of the DVC experiments {', '.join(args.exp)} " if args.exp else ""

@@ -13,17 +13,14 @@ matrix (JSON and PNG), and, when its val_acc beats the registered champion's, th
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import mlflow
-import torch
 from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
 
-from gat.model import model_from_state
 from gat.training import GraphTensors, evaluate
-from stages._common import (fail, load_params, load_prepared, main, outputs_together, require, write_csv,
-                            write_json)
+from stages._common import (RUN_JSON, fail, load_json, load_model, load_params, load_prepared, main,
+                            outputs_together, write_csv, write_json)
 from stages._figures import class_names, confusion_figure
 from stages._tracking import promote_if_champion, stage_run
 
@@ -36,13 +33,14 @@ def run() -> None:
     args = parser.parse_args()
     dataset = load_params().train.dataset
     graph, _meta = load_prepared(args.data, dataset)
-    state = torch.load(require(args.train / "model.pt", "train"), weights_only=True)
-    trained = json.loads(require(args.train / "run.json", "train").read_text())
+    _state, model = load_model(args.train)
+    trained = load_json(args.train / "run.json", "train")
     if "model_uri" not in trained:
         fail(f"{args.train / 'run.json'} comes from an older version of the train stage: "
              "run `dvc repro --force train`.")
+    trained = load_json(args.train / "run.json", "train", RUN_JSON)
     tensors = GraphTensors.from_graph(graph)
-    result = evaluate(model_from_state(state), tensors)
+    result = evaluate(model, tensors)
 
     actual = tensors.labels[tensors.test_idx].numpy()
     predicted = result.predicted[tensors.test_idx, 0].numpy()

@@ -18,15 +18,61 @@ import mlflow
 import torch
 from tqdm import tqdm
 
-from gat.config import flatten
+from gat.config import ModelConfig, flatten, training_memory_bytes
 from gat.model import NodeClassifier, model_state
 from gat.training import EpochMetrics, GraphTensors, train
-from stages._common import (device_for, load_params, load_prepared, main, outputs_together, write_atomic,
+from stages._common import (device_for, fail, load_params, load_prepared, main, outputs_together, write_atomic,
                             write_csv, write_json)
 from stages._fetch import redact
 from stages._figures import curves_figure
 from stages._tracking import (NOTE, TRAIN_EXPERIMENT, EpochLogger, describe_run, log_dataset, model_name, stage_run,
                               standard_tags)
+
+
+GIB = 2**30
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes this process may still allocate: free GPU memory, or the kernel's MemAvailable within the
+    cgroup's limit (a container's memory.max) on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    available = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    try:
+        cgroup = Path("/sys/fs/cgroup")
+        cgroup_limit = (cgroup / "memory.max").read_text().strip()
+        if cgroup_limit != "max":
+            available.append(int(cgroup_limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    try:  # `ulimit -v`: the address space left
+        import resource
+
+        address_limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if address_limit != resource.RLIM_INFINITY:
+            status = Path("/proc/self/status").read_text()
+            used = next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmSize:"))
+            available.append(address_limit - used)
+    except (OSError, ValueError, StopIteration):
+        pass
+    return max(0, min(available)) if available else 2**62
+
+
+def memory_problem(config: ModelConfig, key: str, graph_sizes: tuple[int, int, int], dataset: str,
+                   device: torch.device, replicas: int = 1) -> str:
+    """The sentence that says what training needs against what there is (see gat.config.training_memory_bytes)."""
+    nodes, features, classes = graph_sizes
+    needed = training_memory_bytes(config, nodes, features, classes, replicas)
+    return (f"params.yaml: `{key}` ({config.heads} heads x {config.hidden_features} hidden features) needs about "
+            f"{needed / GIB:.1f} GiB to train on {dataset} ({nodes:,} nodes, {features:,} features), but "
+            f"{'the GPU' if device.type == 'cuda' else 'this machine'} has {available_memory(device) / GIB:.1f} GiB "
+            f"available: lower `{key}.hidden_features` or `{key}.heads`")
 
 
 def run() -> None:
@@ -38,6 +84,11 @@ def run() -> None:
     settings = params.train
     device = device_for(settings.device, "train.device")
     graph, meta = load_prepared(args.data, settings.dataset)
+    # Before any work and before the run opens: a model too big for the memory ends in a MemoryError (or the
+    # OOM killer) minutes later.
+    sizes = (graph.num_nodes, graph.num_features, graph.num_classes)
+    if training_memory_bytes(settings.model, *sizes) > available_memory(device):
+        fail(f"{memory_problem(settings.model, 'train.model', sizes, settings.dataset, device)}.")
     tensors = GraphTensors.from_graph(graph, device)
 
     tags = standard_tags(settings.dataset, meta["source_sha256"])
@@ -63,7 +114,16 @@ def run() -> None:
                 bar.update()
                 bar.set_postfix(val_acc=f"{row['val_acc']:.3f}", val_loss=f"{row['val_loss']:.3f}")
 
-            result = train(tensors, settings.model, settings.optim, [settings.seed], on_epoch)
+            try:
+                result = train(tensors, settings.model, settings.optim, [settings.seed], on_epoch)
+            except (MemoryError, RuntimeError) as error:  # the estimate was short, or memory went elsewhere
+                # torch's CPU allocator raises a RuntimeError ("DefaultCPUAllocator: can't allocate memory"),
+                # CUDA's torch.OutOfMemoryError (a RuntimeError too); any other RuntimeError is a bug: re-raised.
+                if not (isinstance(error, (MemoryError, torch.OutOfMemoryError))
+                        or "can't allocate memory" in str(error)):
+                    raise
+                fail(f"out of memory while training (the estimate fell short, or other processes took the memory): "
+                     f"{memory_problem(settings.model, 'train.model', sizes, settings.dataset, device)}.")
 
         epochs, best_epoch = int(result.epochs[0]), int(result.best_epoch[0])
         mlflow.log_metrics({"epochs": epochs, "best_epoch": best_epoch})

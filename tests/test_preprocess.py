@@ -109,6 +109,12 @@ def _with_duplicate_test_id(raw: Path) -> bytes:
     return b"\n".join([ids[0], *ids[:-1]]) + b"\n"
 
 
+def _graph_of(raw: Path, change) -> bytes:
+    """ind.cora.graph with `change` applied to its dict of node -> neighbour list."""
+    adjacency = data._unpickle((raw / "ind.cora.graph").read_bytes(), "ind.cora.graph", dict)
+    return pickle.dumps(change(adjacency), protocol=4)
+
+
 @pytest.mark.parametrize("name, content, problem", [
     ("ind.cora.graph", lambda raw: b"cos\nsystem\n(S'echo pwned'\ntR.",
      r"ind\.cora\.graph: refusing to load os\.system"),
@@ -119,7 +125,15 @@ def _with_duplicate_test_id(raw: Path) -> bytes:
     ("ind.cora.test.index", lambda raw: b"12\nabc\n", r"ind\.cora\.test\.index: 'abc' is not a node id"),
     ("ind.cora.test.index", _with_duplicate_test_id, r"ind\.cora\.test\.index: node \d+ is listed 2 times"),
     ("ind.cora.tx", _with_nan_feature, r"ind\.cora\.tx: 1 NaN or infinite feature value\(s\)"),
-], ids=["refused-class", "truncated", "wrong-type", "not-an-integer", "duplicate-test-id", "nan-feature"])
+    ("ind.cora.graph", lambda raw: _graph_of(raw, lambda graph: {node: [node] for node in graph}),
+     r"ind\.cora\.graph: holds no edges between distinct nodes \(only self-loops, or none\)"),
+    ("ind.cora.graph", lambda raw: _graph_of(raw, lambda graph: {str(node): ids for node, ids in graph.items()}),
+     r"ind\.cora\.graph: the key '0' is a str, not a node id"),
+    ("ind.cora.graph", lambda raw: _graph_of(raw, lambda graph: {node: [str(i) for i in ids]
+                                                                 for node, ids in graph.items()}),
+     r"ind\.cora\.graph: node \d+'s neighbour '\d+' is a str, not a node id"),
+], ids=["refused-class", "truncated", "wrong-type", "not-an-integer", "duplicate-test-id", "nan-feature",
+        "self-loops-only", "string-keys", "string-neighbours"])
 def test_a_refused_raw_file_is_one_line_naming_it_and_the_fix(
         workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str,
         content, problem: str) -> None:
