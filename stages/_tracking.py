@@ -21,6 +21,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from stages._common import fail, repo_root
+from stages._fetch import redact_urls
 
 # Separate experiments keep the training table one row per training configuration.
 TRAIN_EXPERIMENT = "gat-repro"
@@ -80,6 +81,11 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repo_root() / 'mlflow.db'}"
 
 
+def shown_uri() -> str:
+    """The tracking URI as messages show it: without a password."""
+    return redact_urls(tracking_uri())
+
+
 def is_server(uri: str) -> bool:
     return uri.startswith(("http://", "https://"))
 
@@ -88,7 +94,9 @@ def is_server(uri: str) -> bool:
 # that the server is down. These defaults (the user's own settings win) fail within about 30 s.
 # MLflow also prints two "View run at <url>" lines per run against a server: 200 for reproduce's children.
 SERVER_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+                          # no progress bar on stderr for every model downloaded (model_digest, load_verified_model)
+                          "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 # What talking to a tracking server can raise: MLflow's own errors, and requests' once its retries are spent.
 SERVER_ERRORS = (MlflowException, requests.RequestException)
 
@@ -115,30 +123,67 @@ def use_store() -> str:
 def check_server(uri: str) -> None:
     """One request, before any work, that the server answers and takes the credentials: a one-line error
     within seconds (at most 5 s to connect, 20 s to answer) instead of a traceback after the retries."""
+    shown = redact_urls(uri)  # a password in the URI is never printed
     user = os.environ.get("MLFLOW_TRACKING_USERNAME")
     auth = (user, os.environ.get("MLFLOW_TRACKING_PASSWORD", "")) if user else None
     try:
         response = requests.get(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search", params={"max_results": 1},
                                 auth=auth, timeout=(5, 20))
     except requests.RequestException as error:
-        fail(f"the MLflow tracking server at {uri} is unreachable ({type(error).__name__}): start it "
+        fail(f"the MLflow tracking server at {shown} is unreachable ({type(error).__name__}): start it "
              "(`make team-up`, then `source .team/env`), or check MLFLOW_TRACKING_URI")
     if response.status_code == 401:
         who = f"user '{user}'" if user else "no user (MLFLOW_TRACKING_USERNAME is not set)"
-        fail(f"the MLflow server at {uri} refused the credentials of {who}: check MLFLOW_TRACKING_USERNAME "
+        fail(f"the MLflow server at {shown} refused the credentials of {who}: check MLFLOW_TRACKING_USERNAME "
              "and MLFLOW_TRACKING_PASSWORD (`source .team/env`)")
     if response.status_code != 200:
-        fail(f"{uri} answered HTTP {response.status_code} to an MLflow API call: check MLFLOW_TRACKING_URI (is it "
+        fail(f"{shown} answered HTTP {response.status_code} to an MLflow API call: check MLFLOW_TRACKING_URI (is it "
              "an MLflow tracking server?) and the server's log")
+
+
+def foreign_managers(uri: str, auth: tuple[str, str] | None, resource_type: str, pattern: str) -> list[str]:
+    """The users other than admins who hold MANAGE on a resource (`experiment` by id, `registered_model` by
+    name): MLflow gives it to whoever created the resource. Only an admin may list users: for anyone else (or a
+    server without basic-auth) the answer is an empty list."""
+    try:
+        response = requests.get(f"{uri.rstrip('/')}/api/2.0/mlflow/users/list", auth=auth, timeout=(5, 20))
+    except requests.RequestException:
+        return []
+    if response.status_code != 200:
+        return []
+    return sorted({user["username"] for user in response.json().get("users", []) if not user.get("is_admin")
+                   for role in user.get("roles") or [] for grant in role.get("permissions") or []
+                   if grant.get("resource_type") == resource_type and grant.get("resource_pattern") == pattern
+                   and grant.get("permission") == "MANAGE"})
+
+
+def _client_auth() -> tuple[str, str] | None:
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    return (user, os.environ.get("MLFLOW_TRACKING_PASSWORD", "")) if user else None
+
+
+def refuse_a_foreign_name(kind: str, name: str, pattern: str) -> None:
+    """Stop, in one line, when a name the pipeline writes to is managed by another (non-admin) user."""
+    uri = tracking_uri()
+    if not is_server(uri):
+        return
+    resource_type = "experiment" if kind == "experiment" else "registered_model"
+    owners = foreign_managers(uri, _client_auth(), resource_type, pattern)
+    if owners:
+        fail(redact_urls(f"the {kind} {name} on the MLflow server at {uri} is managed by user '{owners[0]}', "
+                         "not by the pipeline's admin (someone created it first): the server's admin deletes it or "
+                         "revokes that permission, then runs `make team-up`, which creates every pipeline name as "
+                         "the admin"))
 
 
 def server_problem(error: BaseException, what: str) -> str:
     """One line for a failure of the tracking server in the middle of a stage."""
-    uri = tracking_uri()
+    uri = shown_uri()
     if isinstance(error, MlflowException) and error.error_code == "PERMISSION_DENIED":
         user = os.environ.get("MLFLOW_TRACKING_USERNAME", "?")
-        return (f"user '{user}' may not write to {what} on the MLflow server at {uri} (PERMISSION_DENIED): ask "
-                "the server's admin for EDIT permission, or use an account that has it (MLFLOW_TRACKING_USERNAME)")
+        return redact_urls(f"user '{user}' may not write to {what} on the MLflow server at {uri} "
+                           "(PERMISSION_DENIED): ask the server's admin for EDIT permission, or use an account that "
+                           "has it (MLFLOW_TRACKING_USERNAME)")
     text = str(error)
     if "/mlflow-artifacts/" in text:  # the server proxies artifacts: its object store failed, or it did
         problem = "it could not store an artifact (is its object store up?)"
@@ -146,8 +191,9 @@ def server_problem(error: BaseException, what: str) -> str:
         problem = "it stopped answering"
     else:
         problem = (text.strip().splitlines() or [type(error).__name__])[0][:200]
-    return (f"the MLflow server at {uri} failed while logging to {what}: {problem}. The run is marked FAILED "
-            "(if the server still answers) and no output is written: check the server's log, then rerun")
+    return redact_urls(f"the MLflow server at {uri} failed while logging to {what}: {problem}. The run is marked "
+                       "FAILED (if the server still answers) and no output is written: check the server's log, then "
+                       "rerun")
 
 
 def _sqlite_folder(uri: str) -> Path | None:
@@ -190,6 +236,7 @@ def connect(experiment: str) -> str:
                     raise
                 found = client.get_experiment_by_name(experiment)
                 assert found is not None
+        refuse_a_foreign_name("experiment", experiment, found.experiment_id)
         for key, value in tags.items():  # a store made by an older version of the project gets them too
             if found.tags.get(key) != value:
                 client.set_experiment_tag(found.experiment_id, key, value)
@@ -252,7 +299,7 @@ def stage_run(experiment: str | None = None, run_name: str | None = None, tags: 
         try:
             MlflowClient().get_run(run_id)
         except MlflowException:
-            fail(f"MLflow run {run_id} is not in the tracking store {tracking_uri()}: the stage that made it "
+            fail(f"MLflow run {run_id} is not in the tracking store {shown_uri()}: the stage that made it "
                  "logged to another store. Rerun that stage against this one (`dvc repro --force <stage>`).")
     try:
         run = mlflow.start_run(run_id=run_id, experiment_id=experiment_id, run_name=run_name,
@@ -387,6 +434,66 @@ def describe_run(what: str, current: Mapping[str, object]) -> str:
 
 
 CHAMPION = "champion"
+# A registered version's tag: SHA-256 over its model's files as the pipeline registered them (model_digest).
+MODEL_DIGEST_TAG = "artifacts_sha256"
+
+
+def folder_digest(folder: Path) -> str:
+    """data_digest over every file under `folder` by its relative path: what
+    `cd folder && find . -type f ! -path ./registered_model_meta -printf '%P\\n' | LC_ALL=C sort |
+    xargs -d '\\n' sha256sum | sha256sum` prints."""
+    checksums = {}
+    for path in sorted(folder.rglob("*")):
+        # `registered_model_meta` is written by MLflow's download itself (the version's name and number).
+        if path.is_file() and path.relative_to(folder).as_posix() != "registered_model_meta":
+            checksums[path.relative_to(folder).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return data_digest(checksums)
+
+
+def model_digest(model_uri: str) -> str:
+    """folder_digest of a logged model's files, downloaded from the store."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        return folder_digest(Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=folder)))
+
+
+def load_verified_model(uri: str):
+    """Load `models:/<name>@<alias>` or `models:/<name>/<version>` only if its files are those the pipeline
+    registered (the version's artifacts_sha256 tag); the files checked are the files loaded. Else one line."""
+    import tempfile
+
+    import mlflow.pytorch
+
+    name, _, ref = uri.removeprefix("models:/").partition("@")
+    client = MlflowClient()
+    if ref:
+        version = client.get_model_version_by_alias(name, ref)
+    else:
+        name, _, number = name.partition("/")
+        version = client.get_model_version(name, number)
+    expected = version.tags.get(MODEL_DIGEST_TAG)
+    with tempfile.TemporaryDirectory() as folder:
+        local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}/{version.version}", dst_path=folder))
+        found = folder_digest(local)
+        if expected is None or found != expected:
+            fail(f"{uri} (version {version.version}) is not the model the pipeline registered: its files' SHA-256 "
+                 f"is {found}, the version's {MODEL_DIGEST_TAG} tag says {expected}; it was not loaded (its code "
+                 "never ran): tell the server's admin, and use another version")
+        return mlflow.pytorch.load_model(str(local))
+
+
+def _refuse_a_foreign_champion(client: MlflowClient, model: str, current) -> None:
+    """Stop, in one line, when the champion was not made by this pipeline: its run is not in the training
+    experiment (another user created the registered model first, and owns it and its alias)."""
+    try:
+        experiment = client.get_experiment(client.get_run(current.run_id).info.experiment_id).name
+    except MlflowException:
+        experiment = "(a run this user cannot read)"
+    if experiment != TRAIN_EXPERIMENT:
+        fail(f"registered model {model}'s @{CHAMPION} (version {current.version}) was not made by this pipeline "
+             f"(its run is in experiment {experiment}, not {TRAIN_EXPERIMENT}): another user owns the name; the "
+             "server's admin deletes it, then runs `make team-up`, which makes every pipeline name as the admin")
 
 
 def promote_if_champion(run_id: str, model: str, model_uri: str, val_acc: float) -> str:
@@ -402,7 +509,15 @@ def promote_if_champion(run_id: str, model: str, model_uri: str, val_acc: float)
             current = client.get_model_version_by_alias(model, CHAMPION)
         except MlflowException:
             current = None
+        if is_server(tracking_uri()) and current is None:
+            try:
+                client.get_registered_model(model)
+                refuse_a_foreign_name("registered model", model, model)
+            except MlflowException:
+                pass  # not registered yet: made below, by this user
         if current is not None:
+            refuse_a_foreign_name("registered model", model, model)
+            _refuse_a_foreign_champion(client, model, current)
             best = float(current.tags.get("val_acc", "nan"))
             if current.run_id == run_id or not val_acc > best:
                 return (f"champion stays {model} version {current.version} (val_acc {best:.4f}; "
@@ -414,6 +529,7 @@ def promote_if_champion(run_id: str, model: str, model_uri: str, val_acc: float)
                     "alias marks the version with the highest validation accuracy."))
             except MlflowException:
                 pass  # registered already, with no champion yet
-        version = mlflow.register_model(model_uri, model, tags={"val_acc": repr(val_acc)})
+        version = mlflow.register_model(model_uri, model, tags={"val_acc": repr(val_acc),
+                                                                 MODEL_DIGEST_TAG: model_digest(model_uri)})
         client.set_registered_model_alias(model, CHAMPION, version.version)
     return f"registered as {model} version {version.version}, now `{CHAMPION}` (val_acc {val_acc:.4f})"

@@ -11,7 +11,7 @@ import argparse
 
 from stages._common import main
 from stages._tracking import (COMPARE_EXPERIMENT, DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT, connect,
-                              tracking_uri, ui_url)
+                              shown_uri, ui_url)
 
 
 def run() -> None:
@@ -20,7 +20,7 @@ def run() -> None:
     args = parser.parse_args()
     experiments = (TRAIN_EXPERIMENT, REPRODUCE_EXPERIMENT, DATA_EXPERIMENT, COMPARE_EXPERIMENT)
     ids = {name: connect(name) for name in experiments}
-    print(f"MLflow store ready: {tracking_uri()}")
+    print(f"MLflow store ready: {shown_uri()}")
     if args.ui_base:
         for name, experiment_id in ids.items():
             print(f"  {name}: {ui_url(args.ui_base, experiment_id)}")

