@@ -494,8 +494,9 @@ def fallback_warning(reason: str) -> None:
     global _FALLBACK_SAID
     if not _FALLBACK_SAID:
         _FALLBACK_SAID = True
-        warnings.warn(f"the fused kernel is unavailable ({reason}); training with the torch kernel instead",
-                      FusedFallbackWarning, stacklevel=3)
+        # One line wherever it is shown (a stage, a worker): no source line under it (line 0 has none).
+        warnings.warn_explicit(f"the fused kernel is unavailable ({reason}); training with the torch kernel instead",
+                               FusedFallbackWarning, filename="gat.fused", lineno=0, module="gat.fused")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
