@@ -274,6 +274,9 @@ def test_a_damaged_library_is_never_loaded(damage: str, small_graph: GraphTensor
             data[offset] ^= 0xFF
     else:
         data = bytearray((Path(torch.__file__).parent / "lib" / "libc10.so").read_bytes())  # a real shared library
+    # A new file under the name, as a damaged download or another build would be: the intact copy is mapped into
+    # this process, and overwriting its pages in place would crash the process (SIGBUS) when it unloads them.
+    copy_of.unlink()
     copy_of.write_bytes(bytes(data))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
