@@ -267,8 +267,8 @@ def _adjacency_arrays(adjacency_lists: Mapping[Any, Any], name: str, num_nodes: 
         if not _is_node_id(node):
             raise ValueError(f"{name}: the key {node!r} is a {type(node).__name__}, not a node id; "
                              "the graph maps integer node ids to lists of integer node ids")
-        stray = next((other for other in neighbours if not _is_node_id(other)), None) \
-            if isinstance(neighbours, (list, tuple)) else None
+        listed = neighbours if isinstance(neighbours, (list, tuple)) else ()
+        stray = next((other for other in listed if not _is_node_id(other)), None)
         if stray is not None:
             raise ValueError(f"{name}: node {node}'s neighbour {stray!r} is a {type(stray).__name__}, not a node id; "
                              "the graph maps integer node ids to lists of integer node ids")

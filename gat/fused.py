@@ -63,23 +63,32 @@ def cxxflags() -> tuple[str, ...]:
     return (*chosen, *SEMANTIC_FLAGS)
 
 
-def cpu_identity() -> str:
-    """The CPU a build is for: its model name and its feature flags (what -march=native reads), from /proc/cpuinfo."""
+def cpu_facts() -> tuple[str, frozenset[str]] | None:
+    """The CPU's model name and feature flags (what -march=native reads), from /proc/cpuinfo; None without it."""
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
-        import platform
-
-        return platform.processor() or platform.machine()
+        return None
     facts: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
         if key in ("model name", "flags") and key not in facts:
-            facts[key] = " ".join(sorted(value.split())) if key == "flags" else value.strip()
+            facts[key] = value.strip()
         if len(facts) == 2:
             break
-    return f"{facts.get('model name', '?')}; flags: {facts.get('flags', '?')}"
+    return facts.get("model name", "?"), frozenset(facts["flags"].split()) if "flags" in facts else frozenset()
+
+
+def cpu_identity() -> str:
+    """The CPU a build is for: its model name and its feature flags."""
+    facts = cpu_facts()
+    if facts is None:
+        import platform
+
+        return platform.processor() or platform.machine()
+    name, flags = facts
+    return f"{name}; flags: {' '.join(sorted(flags)) or '?'}"
 
 
 MAX_FEATURES = 256  # kMaxFeatures of fused.cpp

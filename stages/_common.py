@@ -530,14 +530,12 @@ def main(run) -> None:
             except (ParamsError, StageError) as error:
                 print(f"error: {error}", file=sys.stderr)
                 sys.exit(2)
-    except SystemExit:
+    except BaseException as error:
         if interrupts.signum is None or not owns_process:
             raise
-    except BaseException:
-        if interrupts.signum is None or not owns_process:
-            raise
-        import traceback
+        if not isinstance(error, SystemExit):
+            import traceback
 
-        traceback.print_exc()  # a bug in the cleanup after a stop: shown, as Python would
+            traceback.print_exc()  # a bug in the cleanup after a stop: shown, as Python would
     if interrupts.signum is not None and owns_process:  # stopped and cleaned up (or run() swallowed the stop)
         _exit_now(128 + interrupts.signum)

@@ -67,13 +67,10 @@ def weights_sha256(model: GAT, replica: int) -> str:
 
 
 def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    from gat.fused import cpu_facts
+
+    facts = cpu_facts()
+    return facts[0] if facts is not None and facts[0] != "?" else platform.processor() or "unknown"
 
 
 @functools.lru_cache(maxsize=1)

@@ -34,11 +34,12 @@ def run() -> None:
     dataset = load_params().train.dataset
     graph, _meta = load_prepared(args.data, dataset)
     _state, model = load_model(args.train)
-    trained = load_json(args.train / "run.json", "train")
-    if "model_uri" not in trained:
+    # model_uri checked on its own: a run.json without it comes from an older train stage, not a damaged one.
+    written_by_any_version = {key: kind for key, kind in RUN_JSON.items() if key != "model_uri"}
+    trained = load_json(args.train / "run.json", "train", written_by_any_version)
+    if not isinstance(trained.get("model_uri"), str):
         fail(f"{args.train / 'run.json'} comes from an older version of the train stage: "
              "run `dvc repro --force train`.")
-    trained = load_json(args.train / "run.json", "train", RUN_JSON)
     tensors = GraphTensors.from_graph(graph)
     result = evaluate(model, tensors)
 

@@ -27,11 +27,11 @@ REPO = Path(__file__).resolve().parents[1]
 COMPILER = shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++")
 
 
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
+def _cpu_flags() -> frozenset[str]:
+    from gat.fused import cpu_facts
+
+    facts = cpu_facts()
+    return facts[1] if facts is not None else frozenset()
 
 
 BUILDS = {
