@@ -387,7 +387,7 @@ def _first_gone(lineage: list[int]) -> int | None:
 
 
 class _Interrupts:
-    """SIGTERM, SIGINT and the death of the parent process all become one SystemExit in the main thread.
+    """SIGTERM, SIGINT, SIGHUP and the death of the parent process all become one SystemExit in the main thread.
 
     An exception, not an exit, so that the context managers clean up on the way out: the MLflow run
     ends FAILED (stages._tracking.stage_run), atomic outputs are discarded, worker processes are
@@ -463,9 +463,10 @@ class _Interrupts:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        watched = [signal.SIGTERM]
-        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # a background job (`cmd &`) keeps ignoring it
-            watched.append(signal.SIGINT)
+        # SIGHUP is a closed terminal (or ssh session): like SIGTERM. Each is left alone where it is ignored already:
+        # SIGINT by a background job (`cmd &`), SIGHUP under `nohup`.
+        watched = [signal.SIGTERM, *(signum for signum in (signal.SIGINT, signal.SIGHUP)
+                                     if signal.getsignal(signum) is not signal.SIG_IGN)]
         previous = {signum: signal.signal(signum, self.handle) for signum in watched}
         sys.unraisablehook = self.unraisable
         self.watchdog.start()

@@ -15,8 +15,12 @@
   WORKER_NAME, as `ps` and `top` show it). A worker still starting (importing torch and the
   stage's modules, a few seconds) when its parent dies exits as soon as it has started.
   Where prctl is missing (not Linux), a thread in each worker polls the parent instead.
-- Workers ignore SIGINT: Ctrl-C reaches the whole foreground process group, and the parent,
-  not each worker, decides what happens (it kills them), so there is one message, not one
+- Jobs' tensors reach the workers as file descriptors, handed over by a thread of multiprocessing's
+  (resource_sharer) in the stage. A worker killed while it fetches one leaves that thread a reset
+  connection, which it prints as a traceback; once the pool has killed its workers, that is expected
+  and not shown.
+- Workers ignore SIGINT and SIGHUP: Ctrl-C and a closed terminal reach the whole foreground process
+  group, and the parent, not each worker, decides what happens (it kills them), so there is one message, not one
   traceback per worker.
 
 The workers are started with the "spawn" method (no fork of a process that holds threads
@@ -28,6 +32,7 @@ any other thread.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import multiprocessing
 import os
@@ -36,6 +41,7 @@ import sys
 import threading
 import time
 from types import TracebackType
+from multiprocessing.resource_sharer import _ResourceSharer  # type: ignore[attr-defined]  # private, not in typeshed
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 # <linux/prctl.h>
@@ -48,6 +54,8 @@ WORKER_NAME = "gat-worker"
 _POLL_S = 0.5
 # How long to wait for killed workers to be reaped; SIGKILL acts in milliseconds.
 _REAP_S = 10.0
+# The signals that reach a whole process group (Ctrl-C; a closed terminal, through the shell): the stage decides.
+_GROUP_SIGNALS = {signal.SIGINT, signal.SIGHUP}
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -79,8 +87,45 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _start_worker(parent_pid: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in _GROUP_SIGNALS:  # held since the worker was started; ignored for good
+        signal.signal(signum, signal.SIG_IGN)
     _die_with_parent(parent_pid)
+
+
+def _handover_to_a_killed_worker(kind: type[BaseException], traceback: TracebackType | None) -> bool:
+    """Whether an exception is multiprocessing's resource_sharer losing a worker in the middle of handing it a
+    file descriptor (the worker was killed): the connection reset or closed, raised in that thread's loop."""
+    if not issubclass(kind, (ConnectionError, EOFError)):
+        return False
+    return traceback is not None and traceback.tb_frame.f_code is _ResourceSharer._serve.__code__
+
+
+def _quiet_handovers_to_killed_workers() -> None:
+    """From now on, don't print the resource_sharer's traceback when a handover's worker is gone (it prints
+    through sys.excepthook, from a loop that goes on serving); every other exception is printed as before."""
+    previous = sys.excepthook
+    if getattr(previous, "quiet_handovers", False):
+        return
+
+    def excepthook(kind: type[BaseException], error: BaseException, traceback: TracebackType | None) -> None:
+        if not _handover_to_a_killed_worker(kind, traceback):
+            previous(kind, error, traceback)
+
+    excepthook.quiet_handovers = True  # type: ignore[attr-defined]
+    sys.excepthook = excepthook
+
+
+@contextlib.contextmanager
+def _group_signals_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGHUP in this thread while it starts processes (the workers, and multiprocessing's
+    resource tracker, which ignores SIGINT and SIGTERM but not SIGHUP): they inherit the blocked mask, so the
+    signals never reach them, not even while a worker imports its modules. One that comes meanwhile reaches
+    the stage when they are released."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _GROUP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 class WorkerPool:
@@ -90,9 +135,14 @@ class WorkerPool:
         self._owner = threading.get_ident()
         self.size = workers
         self._others = set(multiprocessing.active_children())  # children that are not this pool's
-        self._executor = concurrent.futures.ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_start_worker, initargs=(os.getpid(),))
+        with _group_signals_held():  # its queues' locks start the resource tracker
+            self._executor = concurrent.futures.ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start_worker, initargs=(os.getpid(),))
+
+    def _submit(self, function: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        with _group_signals_held():  # the first submit starts the workers
+            return self._executor.submit(function, *args)
 
     def map(self, function: Callable[..., Any], *iterables: Iterable[Any]) -> Iterator[Any]:
         """`function(*args)` for each tuple of arguments, in a worker; the results in the order of the
@@ -102,7 +152,7 @@ class WorkerPool:
         """
         if threading.get_ident() != self._owner:
             raise RuntimeError("a WorkerPool is used by the thread that created it (its workers die with it)")
-        futures = [self._executor.submit(function, *args) for args in zip(*iterables)]
+        futures = [self._submit(function, *args) for args in zip(*iterables)]
 
         def results() -> Iterator[Any]:
             pending = set(futures)
@@ -126,7 +176,7 @@ class WorkerPool:
         """
         if threading.get_ident() != self._owner:
             raise RuntimeError("a WorkerPool is used by the thread that created it (its workers die with it)")
-        futures = {self._executor.submit(function, shared, *job): index for index, job in enumerate(jobs)}
+        futures = {self._submit(function, shared, *job): index for index, job in enumerate(jobs)}
         pending = set(futures)
         while pending:
             # A bounded wait, so that a signal delivered to another thread reaches the main thread's handler.
@@ -141,6 +191,7 @@ class WorkerPool:
 
     def terminate(self) -> None:
         """Cancel the pending jobs and kill the workers now; returns once they are reaped."""
+        _quiet_handovers_to_killed_workers()
         workers = self.workers()
         for process in workers:
             process.kill()

@@ -58,6 +58,29 @@ if __name__ == "__main__":
     main(run)
 '''
 
+# A handover of a file descriptor (how a job's tensors reach a worker) to a worker killed before it took it:
+# multiprocessing's resource_sharer thread finds the connection closed. With "killed" (argv[1]), the pool has killed
+# its workers first (a stop, a failed job), as it was when Ctrl-C came during reproduce's first batches.
+DEAD_HANDOVER_STAGE = '''
+import os, socket, sys, time
+from multiprocessing import resource_sharer
+from stages._workers import worker_pool
+
+try:
+    with worker_pool(1):
+        if sys.argv[1] == "killed":
+            raise RuntimeError("stop")
+except RuntimeError:
+    pass
+readable, _ = os.pipe()
+handover = resource_sharer.DupFd(readable)
+peer = socket.socket(socket.AF_UNIX)
+peer.connect(resource_sharer._resource_sharer._address)
+peer.close()
+time.sleep(1.0)
+print("done", flush=True)
+'''
+
 # A stand-in for a stage that works forever inside an atomic output folder.
 ENDLESS_STAGE = '''
 import sys, time
@@ -270,6 +293,20 @@ def test_results_come_in_order_and_the_pool_leaves_no_process(tmp_path: Path, cl
     assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S)
 
 
+@pytest.mark.parametrize("pool_end", ["killed", "closed"])
+def test_a_handover_to_a_killed_worker_prints_no_traceback(tmp_path: Path, cleanup: Cleanup, pool_end: str) -> None:
+    """Once the pool has killed its workers, the resource_sharer's reset connection is expected and not shown;
+    before that (a pool closed normally), it is a real fault and still printed."""
+    process, out, err = _start(DEAD_HANDOVER_STAGE, tmp_path, pool_end)
+    try:
+        cleanup.watch(process.pid)
+        assert process.wait(timeout=START_S) == 0, err.read_text()
+    finally:
+        process.kill()
+    assert _lines(out, "done") == ["done"]
+    assert ("Traceback" in err.read_text()) == (pool_end == "closed"), err.read_text()
+
+
 def test_workers_die_with_a_killed_parent(tmp_path: Path, cleanup: Cleanup) -> None:
     process, out, err = _start(POOL_STAGE, tmp_path, "600", "600", "600")
     try:
@@ -286,9 +323,10 @@ def test_workers_die_with_a_killed_parent(tmp_path: Path, cleanup: Cleanup) -> N
         process.kill()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_signal_stops_running_jobs_at_once(tmp_path: Path, cleanup: Cleanup, signum: int) -> None:
-    """Ctrl-C reaches the whole foreground process group: the workers get SIGINT too."""
+    """Ctrl-C (SIGINT) and a closed terminal (SIGHUP, which the shell sends to its jobs) reach the whole
+    process group: the workers get them too."""
     process, out, err = _start(POOL_STAGE, tmp_path, "600", "600", "600", start_new_session=True)
     try:
         cleanup.watch(process.pid)
@@ -428,16 +466,17 @@ def _wait_for_training(pipeline: Pipeline, process: subprocess.Popen, err: Path,
     return _new_run(pipeline, REPRODUCE_EXPERIMENT, before)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_interrupted_reproduce_stops_within_seconds(pipeline_copy: Pipeline, tmp_path: Path, cleanup: Cleanup,
                                                     signum: int) -> None:
-    """SIGTERM to the stage, or Ctrl-C (SIGINT to its whole process group), while batches train."""
+    """SIGTERM to the stage, or Ctrl-C or a closed terminal (SIGINT, SIGHUP to its whole process group), while
+    batches train."""
     before = _run_ids(pipeline_copy, REPRODUCE_EXPERIMENT)
     process, err = _start_reproduce(pipeline_copy, tmp_path, start_new_session=True)
     try:
         run = _wait_for_training(pipeline_copy, process, err, before)
         cleanup.watch(process.pid)
-        if signum == signal.SIGINT:
+        if signum != signal.SIGTERM:
             os.killpg(process.pid, signum)
         else:
             process.send_signal(signum)
@@ -478,10 +517,11 @@ def test_killed_reproduce_takes_its_workers_with_it(pipeline_copy: Pipeline, tmp
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL, signal.SIGHUP])
 def test_a_stage_whose_dvc_dies_stops_and_writes_nothing(pipeline_copy: Pipeline, tmp_path: Path, cleanup: Cleanup,
                                                          signum: int) -> None:
-    """`dvc repro` killed alone (not its process group): the train stage it ran stops on its own."""
+    """`dvc repro` killed alone (not its process group): the train stage it ran stops on its own. SIGHUP goes to
+    the whole process group, as the shell sends it to its jobs when the terminal closes: dvc and the stage get it."""
     pipeline_copy.set_params(**{"train.optim.max_epochs": 100000, "train.optim.patience": 100000})
     lock = (pipeline_copy.root / "dvc.lock").read_bytes()
     before = _run_ids(pipeline_copy, TRAIN_EXPERIMENT)
@@ -490,7 +530,8 @@ def test_a_stage_whose_dvc_dies_stops_and_writes_nothing(pipeline_copy: Pipeline
     out, err = tmp_path / "dvc-stdout.txt", tmp_path / "dvc-stderr.txt"
     with out.open("w") as stdout, err.open("w") as stderr:
         dvc = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "train"], cwd=pipeline_copy.root,
-                               env={**pipeline_copy.env, "PYTHONFAULTHANDLER": "1"}, stdout=stdout, stderr=stderr)
+                               env={**pipeline_copy.env, "PYTHONFAULTHANDLER": "1"}, stdout=stdout, stderr=stderr,
+                               start_new_session=signum == signal.SIGHUP)
     try:
         def training() -> bool:
             run = _new_run(pipeline_copy, TRAIN_EXPERIMENT, before)
@@ -501,7 +542,10 @@ def test_a_stage_whose_dvc_dies_stops_and_writes_nothing(pipeline_copy: Pipeline
         cleanup.watch(dvc.pid)
         assert any("stages.train" in " ".join(p.cmdline()) for p in _alive(cleanup.seen.values())), \
             "no train stage under dvc"
-        dvc.send_signal(signum)
+        if signum == signal.SIGHUP:
+            os.killpg(dvc.pid, signum)
+        else:
+            dvc.send_signal(signum)
         dvc.wait(timeout=STOP_S)
         started = time.monotonic()
         if not _poll(lambda: not _alive(cleanup.seen.values()), STOP_S):
@@ -513,6 +557,9 @@ def test_a_stage_whose_dvc_dies_stops_and_writes_nothing(pipeline_copy: Pipeline
     if signum == signal.SIGKILL:  # dvc said nothing: the stage's one line says what happened
         assert (f"error: the parent process (dvc, pid {dvc.pid}) is gone: stopping; the MLflow run is marked FAILED "
                 "and no output is written.") in err.read_text(), err.read_text()[-4000:]
+    if signum == signal.SIGHUP:
+        assert ("error: interrupted by SIGHUP: stopping; the MLflow run is marked FAILED and no output is written."
+                in err.read_text()), err.read_text()[-4000:]
     run = _new_run(pipeline_copy, TRAIN_EXPERIMENT, before)
     assert run.info.status == "FAILED"
     assert "test_acc" not in run.data.metrics
