@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import io
 import json
 import os
@@ -125,6 +126,22 @@ def require(path: str | Path, producer: str) -> Path:
     return path
 
 
+# What a full disk (or quota) raises: one line for the user instead of a traceback.
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def disk_full(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in DISK_FULL
+
+
+def no_space(folder: str | Path | None) -> str:
+    """What a full disk under `folder` (None: not known) means for the user, in one sentence."""
+    where = (f"the device that holds {folder}" if folder is not None else
+             f"a device this stage writes to (its outputs, the MLflow store, {tempfile.gettempdir()})")
+    df = f"df -h {folder}" if folder is not None else "df -h"
+    return f"no space left on {where}: free some space there (`{df}`), then rerun; no output was written"
+
+
 @contextlib.contextmanager
 def atomic_dir(out: str | Path) -> Iterator[Path]:
     """Yield an empty temporary folder that replaces `out` only if the block succeeds.
@@ -140,19 +157,40 @@ def atomic_dir(out: str | Path) -> Iterator[Path]:
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         staging.rename(out)
+    except OSError as error:
+        if disk_full(error):
+            fail(no_space(out.parent))
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def write_atomic(path: str | Path, data: bytes | str) -> None:
-    """Write a file through a temporary sibling and a rename."""
-    path = Path(path)
+def _write_temporary(path: Path, data: bytes | str) -> Path:
+    """`data` in a new temporary sibling of `path`, which is removed again if anything goes wrong."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
-        handle.write(data.encode() if isinstance(data, str) else data)
-        temporary = Path(handle.name)
+    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False)
+    temporary = Path(handle.name)
     try:
+        with handle:
+            handle.write(data.encode() if isinstance(data, str) else data)
         temporary.chmod(0o644)  # NamedTemporaryFile creates 0600
+    except BaseException as error:
+        temporary.unlink(missing_ok=True)
+        if disk_full(error):
+            fail(no_space(path.parent))
+        raise
+    return temporary
+
+
+def write_atomic(path: str | Path, data: bytes | str) -> None:
+    """Write a file through a temporary sibling and a rename. Inside `outputs_together`, the rename waits
+    for the end of the block, with the other outputs'."""
+    path = Path(path)
+    temporary = _write_temporary(path, data)
+    if _HOLD.depth:
+        _HOLD.staged.append((temporary, path))
+        return
+    try:
         temporary.replace(path)
     except BaseException:
         temporary.unlink(missing_ok=True)
@@ -274,10 +312,12 @@ def device_for(name: str, key: str) -> torch.device:
 
 
 class _OutputHold:
-    """Whether a stage is writing its outputs, and the stop (a signal number) that came meanwhile."""
+    """Whether a stage is writing its outputs, the stop (a signal number) that came meanwhile, and the files
+    written so far (temporary, final path), renamed into place together when the block ends."""
 
     depth = 0
     held: int | None = None
+    staged: list[tuple[Path, Path]] = []
 
 
 _HOLD = _OutputHold()
@@ -285,9 +325,10 @@ _HOLD = _OutputHold()
 
 @contextlib.contextmanager
 def outputs_together() -> Iterator[None]:
-    """Hold a stop (SIGTERM, Ctrl-C, a dead parent) while a stage writes its outputs, milliseconds, so that
-    a stop leaves all of them new or none: the held stop acts as the block ends, and the MLflow run then
-    ends FAILED as usual.
+    """A stage's outputs, all new or none: each `write_atomic` in the block writes its temporary file, and the
+    renames come when every one is written, so a full disk or an error halfway leaves no output (and no
+    temporary file). A stop (SIGTERM, Ctrl-C, a dead parent) is held meanwhile, milliseconds: it acts as the
+    block ends, and the MLflow run then ends FAILED as usual.
 
     A flag that the stop handler reads, not a signal mask: the kernel hands a process's signal to any of
     its threads that doesn't block it, and Python then runs the handler in the main thread regardless.
@@ -295,11 +336,20 @@ def outputs_together() -> Iterator[None]:
     _HOLD.depth += 1
     try:
         yield
+        if _HOLD.depth == 1:
+            while _HOLD.staged:
+                temporary, path = _HOLD.staged[0]
+                temporary.replace(path)  # a rename in one folder: it takes no space
+                _HOLD.staged.pop(0)
     finally:
         _HOLD.depth -= 1
-        if _HOLD.depth == 0 and _HOLD.held is not None:
-            signum, _HOLD.held = _HOLD.held, None
-            signal.raise_signal(signum)
+        if _HOLD.depth == 0:
+            for temporary, _ in _HOLD.staged:  # the block failed: its files are not outputs
+                temporary.unlink(missing_ok=True)
+            _HOLD.staged.clear()
+            if _HOLD.held is not None:
+                signum, _HOLD.held = _HOLD.held, None
+                signal.raise_signal(signum)
 
 
 def write_json(path: str | Path, payload: Any) -> None:
@@ -530,6 +580,11 @@ def main(run) -> None:
                 run()
             except (ParamsError, StageError) as error:
                 print(f"error: {error}", file=sys.stderr)
+                sys.exit(2)
+            except OSError as error:  # a full disk anywhere else (a temporary folder, say): the run is FAILED already
+                if not disk_full(error):
+                    raise
+                print(f"error: {no_space(Path(error.filename).parent if error.filename else None)}", file=sys.stderr)
                 sys.exit(2)
     except BaseException as error:
         if interrupts.signum is None or not owns_process:

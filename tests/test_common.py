@@ -1,4 +1,4 @@
-"""stages._common.load_params: params.yaml read strictly, every problem one line."""
+"""stages._common: params.yaml read strictly, every problem one line; outputs written atomically, together."""
 
 from __future__ import annotations
 
@@ -82,3 +82,48 @@ def test_a_stop_during_the_output_writes_waits_until_all_are_written(tmp_path: P
     assert done.returncode == 128 + 15, done.stderr
     assert "interrupted by SIGTERM" in done.stderr
     assert sorted(path.name for path in tmp_path.glob("*.json")) == ["a.json", "b.json"]
+
+
+def test_outputs_written_together_are_all_new_or_none(tmp_path: Path) -> None:
+    """A failure after some outputs are written leaves none of them, and no temporary file."""
+    from stages._common import outputs_together, write_atomic, write_json
+
+    (tmp_path / "a.json").write_text("old")
+    with pytest.raises(RuntimeError):
+        with outputs_together():
+            write_json(tmp_path / "a.json", {"a": 1})
+            write_atomic(tmp_path / "b.txt", "new")
+            raise RuntimeError("the third output failed")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.json"]
+    assert (tmp_path / "a.json").read_text() == "old"
+    with outputs_together():
+        write_json(tmp_path / "a.json", {"a": 1})
+        write_atomic(tmp_path / "b.txt", "new")
+        assert (tmp_path / "a.json").read_text() == "old"  # renamed only once every one is written
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.json", "b.txt"]
+    assert (tmp_path / "a.json").read_text() == '{\n  "a": 1\n}\n'
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import tempfile
+
+    import stages._common as common
+
+    real = tempfile.NamedTemporaryFile
+
+    def full(*args, **kwargs):
+        handle = real(*args, **kwargs)
+
+        def write(data: bytes) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        handle.write = write
+        return handle
+
+    monkeypatch.setattr(common.tempfile, "NamedTemporaryFile", full)
+    with pytest.raises(StageError, match=re.escape(f"no space left on the device that holds {tmp_path}: free some "
+                                                   f"space there (`df -h {tmp_path}`), then rerun")):
+        common.write_atomic(tmp_path / "model.pt", b"weights")
+    assert list(tmp_path.iterdir()) == []
