@@ -33,6 +33,10 @@ The same interface as stages._workers.WorkerPool.as_completed, the `local` execu
   client goes away, the stage killed outright included) and stops itself (stages._seeds.Abandoned).
 - **A worker that dies** (SIGKILL, out of memory) is Dask's business: the scheduler runs its tasks again
   elsewhere. A task is pure and the stage process alone logs, so a rerun changes nothing but the time.
+- **A cluster that goes away mid-run** is a one-line error, not a traceback nor a hang: a scheduler that dies
+  cancels every task at once (the client loses its connection), and a scheduler left without workers for
+  WORKERS_S seconds fails the run (Dask itself would wait for a worker forever). Either way the run is FAILED
+  and nothing is written.
 """
 
 from __future__ import annotations
@@ -46,10 +50,12 @@ import os
 import pickle
 import signal
 import threading
+import time
 import uuid
 import warnings
+from concurrent.futures import CancelledError
 from types import TracebackType
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import cloudpickle
 import dask
@@ -64,8 +70,10 @@ START_WORKERS = ("start every worker from the repository root of this checkout, 
                  "`PYTHONPATH=$PWD dask worker ...`, as the README's Dask sections show.")
 # How long a scheduler may take to answer before the stage gives up with an error that names it.
 CONNECT_S = 10.0
-# How long to wait for a scheduler's first worker.
+# How long to wait for a scheduler's first worker, and for a worker again once all are gone mid-run.
 WORKERS_S = 60.0
+# How often, while no batch finishes, the stage looks whether the scheduler still has workers.
+WATCH_S = 5.0
 # Where a LocalCluster serves its dashboard; the environment variable sets another address, or `off`.
 DASHBOARD_ENV = "GAT_DASK_DASHBOARD"
 DEFAULT_DASHBOARD = "127.0.0.1:8787"
@@ -141,14 +149,16 @@ def _unpickled_on_worker(payload: bytes, *arguments: Any) -> tuple[Any, ...]:
 
 
 class IgnoreCtrlC(WorkerPlugin):
-    """A LocalCluster's worker processes are in the terminal's process group: Ctrl-C reaches them too. The
-    stage, not each worker, decides what happens (it cancels the tasks and closes the cluster), so the
-    workers ignore it, as stages._workers' do. `setup` runs in the worker process's main thread."""
+    """A LocalCluster's worker processes are in the terminal's process group: Ctrl-C, and the SIGHUP of a closed
+    terminal, reach them too. The stage, not each worker, decides what happens (it cancels the tasks and closes
+    the cluster), so the workers ignore both, as stages._workers' do. `setup` runs in the worker process's main
+    thread."""
 
     name = "gat-ignore-ctrl-c"
 
     def setup(self, worker: distributed.Worker) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for signum in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
 
 
 class DaskPool:
@@ -200,24 +210,62 @@ class DaskPool:
                                       key=f"train_seeds-{run}-{index}", pure=False): index
                    for index, job in enumerate(jobs)}
         self._futures = [graph, *futures]
-        for future in distributed.as_completed(futures, loop=self.client.loop):
-            try:
-                result = future.result()
-            except RuntimeError as error:
-                if "deserialization of the task graph" not in str(error):
-                    raise
-                cause = error.__cause__ or error
-                fail(f"the Dask scheduler at {self.address} cannot read the stage's tasks ({type(cause).__name__}: "
-                     f"{_one_line(cause)}): start it with this checkout's .venv, `source .venv/bin/activate` "
-                     "first, as the README's Dask sections show.")
-            except ImportError as error:
-                fail(f"a Dask worker of the scheduler at {self.address} cannot import the project's code "
-                     f"({type(error).__name__}: {_one_line(error)}): {START_WORKERS}")
-            except distributed.KilledWorker as error:
-                fail(f"Dask gave up on a batch of seeds: the workers running it died again and again ({error}). "
-                     "Look at the workers' logs (out of memory?).")
+        completed = distributed.as_completed(futures, loop=self.client.loop)
+        while not completed.is_empty():
+            self._wait_for_a_result(completed)
+            future = next(completed)
+            result = self._result(future)
             future.release()
             yield futures[future], result
+
+    def _wait_for_a_result(self, completed: distributed.as_completed) -> None:
+        """Wait until `completed` has a finished task, looking every WATCH_S seconds whether the scheduler still
+        has workers: Dask waits for one forever, here WORKERS_S at most, then a one-line error."""
+        workerless_since: float | None = None
+        watched = time.monotonic()
+        while not completed.has_ready():
+            time.sleep(0.1)  # as often as `next(completed)` itself looks
+            if time.monotonic() - watched < WATCH_S:
+                continue
+            watched = time.monotonic()
+            if self.size:
+                workerless_since = None
+            elif workerless_since is None:
+                workerless_since = watched
+            elif watched - workerless_since > WORKERS_S:
+                fail(f"the Dask scheduler at {self.address} has had no workers for {WORKERS_S:.0f} s during the run "
+                     f"(they went away): start some with `dask worker {self.address} --nthreads 1` (see the README's "
+                     "multi-host section), then rerun.")
+
+    def _cancelled(self, error: CancelledError) -> NoReturn:
+        """The one-line error for a task cancelled under the stage: the scheduler went away (the client cancels
+        every task as it loses it), or someone else cancelled it (`client.restart()`, another client)."""
+        if getattr(error, "reason", None) == "scheduler-connection-lost" or self.client.status != "running":
+            fail(f"the Dask scheduler at {self.address} went away during the run ({type(error).__name__}): restart "
+                 f"it and its workers (`dask scheduler`, then `dask worker {self.address} --nthreads 1`, as the "
+                 "README's multi-host section shows), then rerun.")
+        fail(f"the Dask scheduler at {self.address} cancelled the stage's tasks during the run "
+             f"({type(error).__name__}: {_one_line(error)}): was it restarted? Rerun.")
+
+    def _result(self, future: distributed.Future) -> Any:
+        """A finished task's result, or a one-line error that says why it has none."""
+        try:
+            return future.result()
+        except CancelledError as error:
+            self._cancelled(error)
+        except RuntimeError as error:
+            if "deserialization of the task graph" not in str(error):
+                raise
+            cause = error.__cause__ or error
+            fail(f"the Dask scheduler at {self.address} cannot read the stage's tasks ({type(cause).__name__}: "
+                 f"{_one_line(cause)}): start it with this checkout's .venv, `source .venv/bin/activate` "
+                 "first, as the README's Dask sections show.")
+        except ImportError as error:
+            fail(f"a Dask worker of the scheduler at {self.address} cannot import the project's code "
+                 f"({type(error).__name__}: {_one_line(error)}): {START_WORKERS}")
+        except distributed.KilledWorker as error:
+            fail(f"Dask gave up on a batch of seeds: the workers running it died again and again ({error}). "
+                 "Look at the workers' logs (out of memory?).")
 
     def cancel(self) -> None:
         """Cancel this pool's tasks: queued ones never start, running ones stop at their next epoch."""
@@ -255,8 +303,11 @@ class DaskPool:
         # A LocalCluster's workers hold nothing worth saving, on an error or once every result is in: killed,
         # they are gone at once; a graceful close takes a second or two more (each worker process winds down).
         # Its scheduler's INFO lines about the comms that broke (with tracebacks) say nothing to a user: the
-        # cluster logs only errors while it runs (silence_logs), but lifts that as it closes.
-        with _errors_only("distributed") if self.cluster is not None else contextlib.nullcontext():
+        # cluster logs only errors while it runs (silence_logs), but lifts that as it closes. A client whose
+        # scheduler went away logs, as it closes, an error of its own (its attempts to reconnect end: "Failed to
+        # reconnect to scheduler", or a CancelledError's traceback), which the stage's one line already says.
+        with _logging_at_most("distributed", logging.ERROR) if self.cluster is not None else \
+                _logging_at_most("distributed.client", logging.CRITICAL):
             self.kill_local_workers()
             self.close()
 
@@ -267,15 +318,15 @@ def _one_line(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _errors_only(name: str) -> Iterator[None]:
-    """The logger `name` passes only errors in the block."""
+def _logging_at_most(name: str, level: int) -> Iterator[None]:
+    """The logger `name` passes only records of `level` and above in the block."""
     logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    before = logger.level
+    logger.setLevel(level)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(before)
 
 
 async def _handshake(address: str) -> None:

@@ -46,6 +46,13 @@ DVC_REMOTE_NAME = "team"
 ADMIN_USER = "admin"
 DB_USER = "gat"
 REGION = "us-east-1"  # SeaweedFS ignores it; boto3 needs one
+# The DVC remote's timeouts, in seconds, per attempt at a request. Each request is tried about 25 times (botocore's
+# 5 attempts, each of s3fs's 5 tries) and a push or pull makes a few in turn, so a frozen store fails one after
+# ~50x the read timeout (measured: push 98 s and pull 88 s with 2 s; with botocore's default of 60 s, both were
+# still running, silent, after 200 s). A short read timeout costs little on a working store: a slow answer is
+# tried again.
+# A user's own `dvc remote modify --local team read_timeout ...` is kept (configure_dvc_remote).
+DVC_REMOTE_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 2}
 
 # Every listener of the three servers. SeaweedFS's gRPC ports default to HTTP port + 10000, and its S3 gateway
 # also opens Iceberg and Lance endpoints on fixed ports, so all of them are chosen here.
@@ -748,7 +755,9 @@ def status(state: State) -> bool:
 
 def configure_dvc_remote(repo: Path, env: dict[str, str]) -> None:
     """Make the team's S3 bucket this clone's default DVC remote, in `.dvc/config.local` (git-ignored by
-    DVC), never in the committed `.dvc/config`: the endpoint and keys are this backend's."""
+    DVC), never in the committed `.dvc/config`: the endpoint and keys are this backend's. Its timeouts are
+    DVC_REMOTE_TIMEOUTS, so that `dvc push` and `dvc pull` against a store that stopped answering end with an
+    error, unless the user set others on this remote."""
     from dvc.config import Config
 
     missing = [key for key in ("GAT_TEAM_S3_ENDPOINT", "GAT_TEAM_DVC_REMOTE", "GAT_TEAM_S3_ACCESS_KEY_ID",
@@ -760,10 +769,12 @@ def configure_dvc_remote(repo: Path, env: dict[str, str]) -> None:
         _write_private(local_file, "")
     config = Config(dvc_dir=repo / ".dvc")
     with config.edit("local") as local:
+        before = local["remote"].get(DVC_REMOTE_NAME, {})
         local["remote"][DVC_REMOTE_NAME] = {
             "url": env["GAT_TEAM_DVC_REMOTE"], "endpointurl": env["GAT_TEAM_S3_ENDPOINT"],
             "access_key_id": env["GAT_TEAM_S3_ACCESS_KEY_ID"],
-            "secret_access_key": env["GAT_TEAM_S3_SECRET_ACCESS_KEY"], "region": REGION}
+            "secret_access_key": env["GAT_TEAM_S3_SECRET_ACCESS_KEY"], "region": REGION,
+            **{key: before.get(key, value) for key, value in DVC_REMOTE_TIMEOUTS.items()}}
         local["core"]["remote"] = DVC_REMOTE_NAME
     local_file.chmod(0o600)  # it holds the S3 secret key
     say(f"DVC remote `{DVC_REMOTE_NAME}` -> {env['GAT_TEAM_DVC_REMOTE']} at {env['GAT_TEAM_S3_ENDPOINT']} "

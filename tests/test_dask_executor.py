@@ -4,8 +4,10 @@ A module fixture (`dask_cluster`) starts `dask scheduler` and two `dask worker -
 127.0.0.1, dashboards off, as the README's multi-host recipe does, and stops them, with every process they
 started, at the end. Against it, with tiny params, in private copies of the session's pipeline
 (tests/pipeline_support.py): a byte-identical seeds.csv, a worker SIGKILLed mid-run, SIGTERM to the stage.
-The scheduler runs without PYTHONPATH: it needs none of the project's code. Without it: an unreachable
-scheduler, and the LocalCluster the stage starts when no scheduler is named (its results, and Ctrl-C).
+The scheduler runs without PYTHONPATH: it needs none of the project's code. On a scheduler and a worker of a
+test's own (`doomed_cluster`): the scheduler SIGKILLed mid-run, or every worker, is a one-line error. Without a
+cluster: an unreachable scheduler, and the LocalCluster the stage starts when no scheduler is named (its
+results, and Ctrl-C).
 
 The README's Dask recipes, run as written (on free ports, all on 127.0.0.1): the queued 2 × 2 sweep through a
 scheduler and workers started with its exact command lines, then `make compare`; on the same command lines,
@@ -117,12 +119,11 @@ def _log(folder: Path, name: str) -> Any:
     return (folder / f"{name}.log").open("w")
 
 
-@pytest.fixture(scope="module")
-def dask_cluster(pipeline: Pipeline, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaskCluster]:
-    folder = tmp_path_factory.mktemp("dask")
-    # The workers import the task (stages._seeds) from the checkout the stages run from, as the README's
-    # multi-host recipe says: the session pipeline's copy, which every copy of it shares.
-    env = clean_env() | {"PYTHONPATH": str(pipeline.root)}
+@contextlib.contextmanager
+def _cluster(folder: Path, checkout: Path, workers: tuple[str, ...]) -> Iterator[DaskCluster]:
+    """`dask scheduler` (without PYTHONPATH) and `dask worker --nthreads 1` processes named `workers`, that import
+    the task from `checkout`; at the end, every process they started is stopped."""
+    env = clean_env() | {"PYTHONPATH": str(checkout)}
     started: list[subprocess.Popen] = []
     try:
         scheduler_file = folder / "scheduler.json"
@@ -134,19 +135,36 @@ def dask_cluster(pipeline: Pipeline, tmp_path_factory: pytest.TempPathFactory) -
             (folder / "scheduler.log").read_text()
         time.sleep(0.2)  # the file is written in one go, but let it be closed
         address = json.loads(scheduler_file.read_text())["address"]
-        for name in ("worker-a", "worker-b"):
+        for name in workers:
             started.append(subprocess.Popen(
                 [str(VENV_BIN / "dask"), "worker", address, "--nthreads", "1", "--nworkers", "1", "--no-dashboard",
                  "--dashboard-address", "127.0.0.1:0", "--host", "127.0.0.1", "--name", name,
                  "--local-directory", str(folder / name)],
                 cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=_log(folder, name)))
         cluster = DaskCluster(address, folder, started)
-        cluster.wait_for_workers(2)
+        cluster.wait_for_workers(len(workers))
         yield cluster
     finally:
         everything = [process for popen in started for process in _tree(popen.pid)]
         _stop(everything)
         assert not [p for p in everything if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture(scope="module")
+def dask_cluster(pipeline: Pipeline, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaskCluster]:
+    # The workers import the task (stages._seeds) from the checkout the stages run from, as the README's
+    # multi-host recipe says: the session pipeline's copy, which every copy of it shares.
+    with _cluster(tmp_path_factory.mktemp("dask"), pipeline.root, ("worker-a", "worker-b")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def doomed_cluster(pipeline: Pipeline, tmp_path: Path) -> Iterator[DaskCluster]:
+    """A scheduler and one worker of the test's own, for a test that kills them."""
+    folder = tmp_path / "doomed-cluster"
+    folder.mkdir()
+    with _cluster(folder, pipeline.root, ("worker-a",)) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
@@ -391,6 +409,62 @@ def test_sigterm_cancels_the_tasks_on_the_workers(copy: Pipeline, dask_cluster: 
     assert [run.info.status for run in fresh] == ["FAILED"]
     assert not (tmp_path / "out").exists()
     assert "interrupted by SIGTERM" in err.read_text() and "Traceback" not in err.read_text()
+
+
+def _killed_mid_run(copy: Pipeline, cluster: DaskCluster, tmp_path: Path, kill: Callable[[], None],
+                    timeout: float) -> str:
+    """reproduce@cora on `cluster`, `kill()` once its batches train: the stage ends with exit 2 and one line
+    within `timeout`, the run FAILED, no output written and no process of the stage left; its last line."""
+    _reset(copy, **FOREVER, **{"reproduce.executor": "dask"})
+    before = {run.info.run_id for run in copy.runs(REPRODUCE_EXPERIMENT)}
+    err = tmp_path / "stderr.txt"
+    stage = _start_reproduce(copy, cluster.address, tmp_path / "out", err)
+    processes: list[psutil.Process] = []
+    try:
+        with cluster.client() as client:
+            assert _poll(lambda: stage.poll() is not None or all(cluster.executing(client).values()), START_S, 0.2), \
+                err.read_text()
+        assert stage.poll() is None, err.read_text()
+        processes = _tree(stage.pid)
+        kill()
+        assert stage.wait(timeout=timeout) == 2, err.read_text()
+    finally:
+        stage.kill()
+        stage.wait()
+    text = err.read_text()
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and text.strip().splitlines()[-1] == errors[0], text
+    assert "Traceback" not in text, text
+    fresh = [run for run in copy.runs(REPRODUCE_EXPERIMENT) if run.info.run_id not in before]
+    assert [run.info.status for run in fresh] == ["FAILED"]
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return errors[0]
+
+
+def test_a_scheduler_killed_mid_run_is_a_one_line_error(copy: Pipeline, doomed_cluster: DaskCluster,
+                                                        tmp_path: Path) -> None:
+    """The client loses the scheduler and Dask cancels every task (FutureCancelledError): one line, not a traceback."""
+    scheduler = doomed_cluster.processes[0]
+    line = _killed_mid_run(copy, doomed_cluster, tmp_path, scheduler.kill, timeout=120)
+    assert line.startswith(f"error: the Dask scheduler at {doomed_cluster.address} went away during the run "
+                           "(FutureCancelledError): restart it"), line
+
+
+def test_a_run_whose_workers_all_died_is_a_one_line_error(copy: Pipeline, doomed_cluster: DaskCluster,
+                                                          tmp_path: Path) -> None:
+    """Dask would wait for a worker forever: the stage gives up after WORKERS_S without one."""
+    from stages._dask import WORKERS_S
+
+    def kill_workers() -> None:
+        for popen in doomed_cluster.processes[1:]:
+            for process in _tree(popen.pid):
+                with _quiet():
+                    process.kill()
+
+    line = _killed_mid_run(copy, doomed_cluster, tmp_path, kill_workers, timeout=WORKERS_S + 120)
+    assert line.startswith(f"error: the Dask scheduler at {doomed_cluster.address} has had no workers for "
+                           f"{WORKERS_S:.0f} s during the run"), line
 
 
 def test_ctrl_c_stops_a_local_cluster_and_its_workers(copy: Pipeline, tmp_path: Path) -> None:
