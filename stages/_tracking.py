@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
@@ -20,7 +23,7 @@ from filelock import FileLock
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from stages._common import fail, repo_root
+from stages._common import disk_full, fail, no_space, repo_root
 from stages._fetch import redact_urls
 
 # Separate experiments keep the training table one row per training configuration.
@@ -90,15 +93,20 @@ def is_server(uri: str) -> bool:
     return uri.startswith(("http://", "https://"))
 
 
-# MLflow's HTTP client retries a failed request 7 times with a growing backoff: minutes before a stage learns
-# that the server is down. These defaults (the user's own settings win) fail within about 30 s.
+# MLflow's HTTP client waits 120 s for an answer and retries 7 times with a growing backoff, and urllib3 retries
+# a read timeout too: a frozen server held a stage for many minutes. These defaults (the user's own settings win)
+# give up on one request after 3 tries of 10 s and 2-4 s of backoff, 32-34 s; the cleanup that follows
+# (_end_failed) takes at most CLEANUP_TIMEOUT_S more.
 # MLflow also prints two "View run at <url>" lines per run against a server: 200 for reproduce's children.
-SERVER_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+SERVER_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
                           # no progress bar on stderr for every model downloaded (model_digest, load_verified_model)
                           "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 # What talking to a tracking server can raise: MLflow's own errors, and requests' once its retries are spent.
 SERVER_ERRORS = (MlflowException, requests.RequestException)
+# Marking a run FAILED after the server failed: one try, this long; a server that did not answer the stage's
+# request will rarely answer this one, and the stage should not wait for it again.
+CLEANUP_TIMEOUT_S = 3
 
 
 def from_server(error: BaseException) -> bool:
@@ -116,6 +124,10 @@ def use_store() -> str:
         for key, value in SERVER_CLIENT_DEFAULTS.items():
             os.environ.setdefault(key, value)
         check_server(uri)
+    else:
+        # MLflow logs every failed SQLite write (a full disk: one per write) with its traceback, then raises it;
+        # what the stage does with the error (one line, or the traceback of a bug) says it once.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     mlflow.set_tracking_uri(uri)
     return uri
 
@@ -176,9 +188,39 @@ def refuse_a_foreign_name(kind: str, name: str, pattern: str) -> None:
                          "the admin"))
 
 
-def server_problem(error: BaseException, what: str) -> str:
-    """One line for a failure of the tracking server in the middle of a stage."""
-    uri = shown_uri()
+def timed_out(error: BaseException) -> bool:
+    """Whether the server took no answer within MLflow's timeout (urllib3's retries turn a read timeout into a
+    ConnectionError whose text names it; MLflow wraps both in an MlflowException)."""
+    text = str(error)
+    return isinstance(error, requests.Timeout) or "ReadTimeoutError" in text or "timeout exception" in text
+
+
+def _why_silent(error: BaseException) -> str:
+    """Why a server may not answer: an artifact waits on its object store too (the server proxies artifacts)."""
+    if "/mlflow-artifacts/" in str(error):
+        return "it could not store an artifact (is its object store up?), or it is stopped, frozen or overloaded"
+    return "it is stopped, frozen or overloaded"
+
+
+def _run_fate(ended: bool | None) -> str:
+    """What became of the stage's run: None when none was started, else whether it could be marked FAILED."""
+    if ended is None:
+        return "no run was started"
+    return "the run is marked FAILED" if ended else ("the run stays RUNNING until the next stage on this host that "
+                                                     "opens its experiment marks it KILLED")
+
+
+def server_problem(error: BaseException, what: str, ended: bool | None = None) -> str:
+    """One line for a failure of the tracking server in the middle of a stage; `ended`: whether the run could
+    still be marked FAILED (None: no run was started)."""
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
+
+    uri, fate = shown_uri(), _run_fate(ended)
+    if timed_out(error):
+        timeout, tries = MLFLOW_HTTP_REQUEST_TIMEOUT.get(), MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() + 1
+        return redact_urls(f"the MLflow tracking server at {uri} did not answer within {timeout} s ({tries} tries; "
+                           f"MLFLOW_HTTP_REQUEST_TIMEOUT) while logging to {what}: {_why_silent(error)}; {fate} and no "
+                           "output is written: check the server (`python -m team status`, its log), then rerun")
     if isinstance(error, MlflowException) and error.error_code == "PERMISSION_DENIED":
         user = os.environ.get("MLFLOW_TRACKING_USERNAME", "?")
         return redact_urls(f"user '{user}' may not write to {what} on the MLflow server at {uri} "
@@ -191,9 +233,48 @@ def server_problem(error: BaseException, what: str) -> str:
         problem = "it stopped answering"
     else:
         problem = (text.strip().splitlines() or [type(error).__name__])[0][:200]
-    return redact_urls(f"the MLflow server at {uri} failed while logging to {what}: {problem}. The run is marked "
-                       "FAILED (if the server still answers) and no output is written: check the server's log, then "
-                       "rerun")
+    return redact_urls(f"the MLflow server at {uri} failed while logging to {what}: {problem}. {fate[0].upper()}"
+                       f"{fate[1:]} and no output is written: check the server's log, then rerun")
+
+
+def store_full(error: BaseException) -> Path | None:
+    """Where the disk that `error` found full is, when it was the store's: the SQLite database's folder (SQLite's
+    "database or disk is full", which MLflow wraps) or the local artifact folder (an OSError from MLflow's copy
+    of an artifact); None for any other error (a full disk elsewhere is stages._common.main's to say)."""
+    for link in _chain(error):
+        if isinstance(link, OSError) and disk_full(link) and _raised_in(link, "mlflow/store/artifact/"):
+            return Path(link.filename).parent if link.filename else artifact_root()
+        if "database or disk is full" in str(link):
+            return _sqlite_folder(tracking_uri())
+    return None
+
+
+def _raised_in(error: BaseException, path_part: str) -> bool:
+    """Whether `error` passed through code whose file path holds `path_part`."""
+    traceback = error.__traceback__
+    while traceback is not None:
+        if path_part in traceback.tb_frame.f_code.co_filename.replace(os.sep, "/"):
+            return True
+        traceback = traceback.tb_next
+    return False
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """`error` and the errors it was raised from or while handling."""
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        yield link
+        link = link.__cause__ or link.__context__
+
+
+def _store_problem(error: BaseException, what: str, ended: bool | None = None) -> str:
+    """One line for a failure of the tracking store: a full disk under a local store, else the server's."""
+    full = store_full(error)
+    if full is not None:
+        return f"{no_space(full)}; {_run_fate(ended)}"
+    return server_problem(error, what, ended)
 
 
 def _sqlite_folder(uri: str) -> Path | None:
@@ -240,7 +321,59 @@ def connect(experiment: str) -> str:
         for key, value in tags.items():  # a store made by an older version of the project gets them too
             if found.tags.get(key) != value:
                 client.set_experiment_tag(found.experiment_id, key, value)
-        return found.experiment_id
+    end_abandoned_runs(client, found.experiment_id, experiment)
+    return found.experiment_id
+
+
+# Who started a run: the host, the pid and the process's start time (the pid alone names another process once
+# the pid is reused). A run still RUNNING whose process is gone was left by a killed stage, or by one whose
+# server stopped answering: end_abandoned_runs ends it.
+HOST_TAG, PID_TAG, PID_START_TAG = "stage.host", "stage.pid", "stage.pid_start"
+
+
+def process_start(pid: int) -> str | None:
+    """When process `pid` started (clock ticks after boot: field 22 of /proc/<pid>/stat), or None when there is
+    no such process (or only its zombie, which will never end a run)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after the name (field 2), which may hold spaces and ")"
+    state, start = fields[0], fields[19]  # fields 3 and 22
+    return None if state in ("Z", "X") else start
+
+
+def process_tags() -> dict[str, str]:
+    """The tags naming this process as a run's owner; none where /proc does not say when it started."""
+    start = process_start(os.getpid())
+    if start is None:
+        return {}
+    return {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid()), PID_START_TAG: start}
+
+
+def _abandoned(run) -> bool:
+    """Whether the process that started `run` (on this host) is gone, or its pid now names another process."""
+    pid, start = run.data.tags.get(PID_TAG, ""), run.data.tags.get(PID_START_TAG)
+    return pid.isdigit() and start is not None and process_start(int(pid)) != start
+
+
+def end_abandoned_runs(client: MlflowClient, experiment_id: str, experiment: str) -> None:
+    """End KILLED the runs of the experiment left RUNNING by a stage of this host that is gone, and say so in one
+    line. Runs of other hosts (their processes cannot be seen from here), of living processes (a stage running
+    now, reproduce's parent while its children are logged) and without the tags (older runs) are left alone."""
+    if not process_tags():
+        return
+    host = socket.gethostname()
+    found = client.search_runs([experiment_id], max_results=1000, filter_string=(
+        f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = '{host}'"))
+    abandoned = [run for run in found if _abandoned(run)]
+    for run in abandoned:
+        client.set_terminated(run.info.run_id, "KILLED")
+    if abandoned:
+        pids = ", ".join(sorted({run.data.tags[PID_TAG] for run in abandoned}, key=int))
+        runs = f"{len(abandoned)} run{'s' if len(abandoned) > 1 else ''}"
+        print(f"note: ended {runs} of {experiment} left RUNNING by stopped stages (pids {pids} on host {host}) "
+              "as KILLED", file=sys.stderr)
 
 
 def ui_url(base: str, experiment_id: str) -> str:
@@ -289,10 +422,17 @@ def stage_run(experiment: str | None = None, run_name: str | None = None, tags: 
     The stage scripts turn SIGTERM into SystemExit (stages._common.main), so an
     interrupted `dvc repro` marks the run FAILED too instead of leaving it RUNNING.
     """
+    from mlflow.entities import RunTag
+
     if run_id is None:
         if experiment is None:
             raise ValueError("stage_run needs an experiment or a run_id")
-        experiment_id: str | None = connect(experiment)
+        try:
+            experiment_id: str | None = connect(experiment)
+        except SERVER_ERRORS as error:
+            if store_full(error) is None:
+                raise
+            fail(_store_problem(error, experiment))
     else:
         use_store()
         experiment_id = None
@@ -301,31 +441,58 @@ def stage_run(experiment: str | None = None, run_name: str | None = None, tags: 
         except MlflowException:
             fail(f"MLflow run {run_id} is not in the tracking store {shown_uri()}: the stage that made it "
                  "logged to another store. Rerun that stage against this one (`dvc repro --force <stage>`).")
+    what = experiment or run_id or "?"
     try:
+        if run_id is not None:  # this process owns the resumed run before it is RUNNING again, never after
+            MlflowClient().log_batch(run_id, tags=[RunTag(key, value) for key, value in process_tags().items()])
         run = mlflow.start_run(run_id=run_id, experiment_id=experiment_id, run_name=run_name,
-                               tags=dict(tags or {}), nested=nested)
+                               tags={**(tags or {}), **process_tags()}, nested=nested)
     except SERVER_ERRORS as error:
-        fail(server_problem(error, experiment or run_id or "?"))
+        fail(_store_problem(error, what))
     try:
         yield run
     except BaseException as error:
-        _end_failed()
-        if is_server(tracking_uri()) and from_server(error):  # anything else is a bug: its traceback shows
-            fail(server_problem(error, experiment or run_id or "?"))
+        ended = _end_failed(run.info.run_id, error)
+        # A full disk, or the server's failure; anything else is a bug: its traceback shows.
+        if store_full(error) is not None or (is_server(tracking_uri()) and from_server(error)):
+            fail(_store_problem(error, what, ended))
         raise
     try:
         mlflow.end_run("FINISHED")
     except SERVER_ERRORS as error:
-        _end_failed()
-        fail(server_problem(error, experiment or run_id or "?"))
+        fail(_store_problem(error, what, _end_failed(run.info.run_id, error)))
 
 
-def _end_failed() -> None:
-    """Mark the active run FAILED; when the store itself is what failed, there is nothing more to do."""
+def _end_failed(run_id: str, error: BaseException) -> bool:
+    """Mark the run FAILED and say whether that worked; when the store itself is what failed, there is nothing more
+    to do. After a failure of the server, one short try (CLEANUP_TIMEOUT_S, no retry): the stage must not wait
+    for a frozen server a second time."""
+    quick = is_server(tracking_uri()) and from_server(error)
+    with _quick_requests() if quick else contextlib.nullcontext():
+        try:
+            if mlflow.active_run() is not None:
+                mlflow.end_run("FAILED")
+            else:  # end_run("FINISHED") failed after taking the run off MLflow's stack
+                MlflowClient().set_terminated(run_id, "FAILED")
+        except SERVER_ERRORS:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def _quick_requests() -> Iterator[None]:
+    """MLflow's requests inside: one try of CLEANUP_TIMEOUT_S (MLflow reads these settings at every request)."""
+    quick = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(CLEANUP_TIMEOUT_S), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+    saved = {key: os.environ.get(key) for key in quick}
+    os.environ.update(quick)
     try:
-        mlflow.end_run("FAILED")
-    except SERVER_ERRORS:
-        pass
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
 
 
 def log_dataset(dataset: str, source: str, checksums: Mapping[str, str], context: str) -> None:
@@ -363,8 +530,9 @@ class EpochLogger:
     def __enter__(self) -> "EpochLogger":
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.flush()
+    def __exit__(self, kind, error, traceback) -> None:
+        if not from_server(error):  # the batch the server failed on would wait for it a second time
+            self.flush()
 
 
 def log_child_runs(parent_run_id: str, experiment_id: str, dataset: str,
@@ -384,7 +552,7 @@ def log_child_runs(parent_run_id: str, experiment_id: str, dataset: str,
         seed = int(row["seed"])
         start_ms, end_ms = (int(1000 * t) for t in timings[seed])
         child = client.create_run(experiment_id, start_time=start_ms, run_name=f"{dataset}-seed-{seed}",
-                                  tags={**tags, "mlflow.parentRunId": parent_run_id})
+                                  tags={**tags, **process_tags(), "mlflow.parentRunId": parent_run_id})
         texts = {k: v for k, v in row.items() if isinstance(v, str)}
         client.log_batch(child.info.run_id, params=[Param("seed", str(seed))],
                          metrics=[Metric(k, float(v), end_ms, 0) for k, v in row.items()
@@ -497,18 +665,15 @@ def _refuse_a_foreign_champion(client: MlflowClient, model: str, current) -> Non
 
 
 def promote_if_champion(run_id: str, model: str, model_uri: str, val_acc: float) -> str:
-    """Register the run's model (`model_uri`, as log_model returned it) as a version of `model`, and move the
-    `champion` alias to it, if its val_acc is strictly higher than the current champion's (or there is none).
-    Returns a sentence saying what happened.
+    """Register the run's model (`model_uri`, as log_model returned it) as a version of `model` if its val_acc is
+    strictly higher than the current champion's (or there is none), and point the `champion` alias at the best
+    version (settle_champion). Returns a sentence saying what happened.
 
     Validation accuracy, not test accuracy, picks the champion: choosing on the test split would leak it.
     """
     client = MlflowClient()
-    with _store_lock():  # read the champion, then write: two evaluations at once must not both win
-        try:
-            current = client.get_model_version_by_alias(model, CHAMPION)
-        except MlflowException:
-            current = None
+    with _store_lock():  # SQLite: one evaluation at a time; a server has no lock, settle_champion makes it right
+        current = _champion(client, model)
         if is_server(tracking_uri()) and current is None:
             try:
                 client.get_registered_model(model)
@@ -531,5 +696,55 @@ def promote_if_champion(run_id: str, model: str, model_uri: str, val_acc: float)
                 pass  # registered already, with no champion yet
         version = mlflow.register_model(model_uri, model, tags={"val_acc": repr(val_acc),
                                                                  MODEL_DIGEST_TAG: model_digest(model_uri)})
-        client.set_registered_model_alias(model, CHAMPION, version.version)
-    return f"registered as {model} version {version.version}, now `{CHAMPION}` (val_acc {val_acc:.4f})"
+        champion = settle_champion(client, model)
+    if champion.version == version.version:
+        return f"registered as {model} version {version.version}, now `{CHAMPION}` (val_acc {val_acc:.4f})"
+    return (f"registered as {model} version {version.version} (val_acc {val_acc:.4f}); `{CHAMPION}` is version "
+            f"{champion.version} (val_acc {float(champion.tags['val_acc']):.4f}), registered at the same time")
+
+
+def _champion(client: MlflowClient, model: str):
+    """The version the `champion` alias points at, or None."""
+    try:
+        return client.get_model_version_by_alias(model, CHAMPION)
+    except MlflowException:
+        return None
+
+
+# How often settle_champion reads, fixes and reads again before it gives up: each round that does not settle
+# means another evaluation registered a version meanwhile.
+SETTLE_ROUNDS = 20
+
+
+def _pipeline_versions(client: MlflowClient, model: str) -> dict[str, float]:
+    """Version number -> val_acc of every version the pipeline registered (with its val_acc and artifacts_sha256
+    tags)."""
+    versions = client.search_model_versions(f"name = '{model}'")
+    return {v.version: float(v.tags["val_acc"]) for v in versions if {"val_acc", MODEL_DIGEST_TAG} <= set(v.tags)}
+
+
+def _best(versions: Mapping[str, float]) -> str:
+    """The version with the highest val_acc; of equals the oldest, so that an equal newcomer never displaces it."""
+    return max(versions, key=lambda number: (versions[number], -int(number)))
+
+
+def settle_champion(client: MlflowClient, model: str):
+    """Point `champion` at the best registered version, safely against evaluations registering at the same time.
+
+    A server has no lock around read-then-set: two evaluations that both saw no champion both set the alias, and
+    the last one won, worse or not. So every evaluation that registered a version reads all versions, sets the
+    alias to the best, and reads again, until nothing changed: whoever sets the alias last then has read every
+    version registered before it, so the alias ends on the true best. Returns that version.
+    """
+    versions = _pipeline_versions(client, model)
+    for _ in range(SETTLE_ROUNDS):
+        best = _best(versions)
+        current = _champion(client, model)
+        if current is None or current.version != best:
+            client.set_registered_model_alias(model, CHAMPION, best)
+        seen, versions = versions, _pipeline_versions(client, model)
+        current = _champion(client, model)
+        if versions == seen and current is not None and current.version == best:
+            return current
+    fail(f"the `{CHAMPION}` alias of {model} kept changing for {SETTLE_ROUNDS} rounds (evaluations registering "
+         "versions at the same time): rerun evaluate, which settles it")
