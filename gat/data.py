@@ -431,13 +431,14 @@ def graph_to_tensors(graph: Graph) -> dict[str, Tensor]:
 
 
 def graph_from_tensors(tensors: Mapping[str, Tensor]) -> Graph:
-    """The inverse of `graph_to_tensors`; raises ValueError when a key is missing."""
+    """The inverse of `graph_to_tensors`; raises ValueError when a key is missing or the graph breaks a
+    promise of Graph's docstring (check_graph)."""
     missing = [key for key in _TENSOR_KEYS if key not in tensors]
     if missing:
         raise ValueError(f"not a saved graph: missing {', '.join(missing)}")
     features = _csr_tensor(tensors["features_crow_indices"], tensors["features_col_indices"],
                            tensors["features_values"], tuple(tensors["features_shape"].tolist()))
-    return Graph(
+    graph = Graph(
         features=features,
         edge_index=tensors["edge_index"],
         labels=tensors["labels"],
@@ -446,3 +447,38 @@ def graph_from_tensors(tensors: Mapping[str, Tensor]) -> Graph:
         test_idx=tensors["test_idx"],
         num_classes=int(tensors["num_classes"]),
     )
+    check_graph(graph)
+    return graph
+
+
+def _check_ids(ids: Tensor, name: str, low: int, high: int, *, dims: int = 1) -> None:
+    """`ids`: an int64 tensor of `dims` dimensions whose values lie in [low, high)."""
+    if ids.dtype != torch.int64 or ids.dim() != dims:
+        raise ValueError(f"{name}: expected a {dims}-D int64 tensor, found {ids.dim()}-D {ids.dtype}")
+    outside = ids[(ids < low) | (ids >= high)]
+    if outside.numel():
+        raise ValueError(f"{name}: {outside.numel()} value(s) outside [{low}, {high}), the first {int(outside[0])}")
+
+
+def check_graph(graph: Graph) -> None:
+    """Raise ValueError unless `graph` keeps the promises of Graph's docstring that training relies on: node ids
+    and labels in range (the fused kernel indexes memory with them, unchecked), splits that are not empty and
+    whose training and validation nodes are labelled, finite features."""
+    nodes = graph.num_nodes
+    if graph.num_classes < 1:
+        raise ValueError(f"num_classes is {graph.num_classes}")
+    if graph.features.shape[0] != nodes:
+        raise ValueError(f"features: {graph.features.shape[0]} rows for {nodes} nodes")
+    if not bool(torch.isfinite(graph.features.values()).all()):
+        raise ValueError("features: NaN or infinite values")
+    _check_ids(graph.labels, "labels", -1, graph.num_classes)
+    _check_ids(graph.edge_index, "edge_index", 0, nodes, dims=2)
+    if graph.edge_index.shape[0] != 2:
+        raise ValueError(f"edge_index: expected 2 rows (sources, targets), found {graph.edge_index.shape[0]}")
+    for name, ids in (("train_idx", graph.train_idx), ("val_idx", graph.val_idx), ("test_idx", graph.test_idx)):
+        _check_ids(ids, name, 0, nodes)
+        if ids.numel() == 0:
+            raise ValueError(f"{name}: no nodes")
+    for name, ids in (("train_idx", graph.train_idx), ("val_idx", graph.val_idx)):
+        if bool((graph.labels[ids] < 0).any()):
+            raise ValueError(f"{name}: holds nodes without a label")

@@ -279,11 +279,16 @@ def load_prepared(folder: str | Path, dataset: str) -> tuple[Graph, dict[str, An
     if not isinstance(tensors, dict):
         _damaged(folder / "graph.pt", f"expected a dict of tensors, found a {type(tensors).__name__}", producer)
     try:
-        return graph_from_tensors(tensors), meta
+        graph = graph_from_tensors(tensors)
     except (MemoryError, KeyboardInterrupt, SystemExit):
         raise
     except Exception as error:  # a missing key (ValueError), a tensor of the wrong kind or shape, ...
         _damaged(folder / "graph.pt", f"not a saved graph ({_first_line(error)})", producer)
+    sizes = {"num_nodes": graph.num_nodes, "num_features": graph.num_features, "num_classes": graph.num_classes}
+    for key, size in sizes.items():  # another dataset's graph.pt copied in, say
+        if key in meta and meta[key] != size:
+            _damaged(folder / "graph.pt", f"its {key} is {size}, but meta.json says {meta[key]}", producer)
+    return graph, meta
 
 
 def load_model(folder: str | Path, producer: str = "train") -> tuple[dict[str, Any], Any]:

@@ -86,6 +86,24 @@ def _edit_json(**changes: object) -> Callable[[Path], None]:
     return lambda path: path.write_text(json.dumps(json.loads(path.read_text()) | changes))
 
 
+def _edit_graph(key: str, change: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Path], None]:
+    """A graph.pt whose tensor `key` is `change(tensor)`: loadable, but breaking a promise of gat.data.Graph."""
+    def damage(path: Path) -> None:
+        tensors = torch.load(path, weights_only=True)
+        tensors[key] = change(tensors[key].clone())
+        torch.save(tensors, path)
+
+    return damage
+
+
+def _set(index: tuple, value: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def change(tensor: torch.Tensor) -> torch.Tensor:
+        tensor[index] = value
+        return tensor
+
+    return change
+
+
 GRAPH, META = "data/prepared/cora/graph.pt", "data/prepared/cora/meta.json"
 MODEL, RUN = "data/train/model.pt", "data/train/run.json"
 REFUSED = r"it holds objects other than tensors, numbers and plain containers \(torch\.load\(weights_only=True\) " \
@@ -98,6 +116,20 @@ CASES = [
      r"expected a dict of tensors, found a list"),
     ("graph-missing-keys", GRAPH, lambda path: torch.save({"labels": torch.zeros(1)}, path),
      r"not a saved graph \(ValueError: not a saved graph: missing features_crow_indices"),
+    # The fused kernel indexes memory with node ids and labels, unchecked: a stray one read out of bounds.
+    ("graph-edge-out-of-range", GRAPH, _edit_graph("edge_index", _set((0, 5), 99999)),
+     r"not a saved graph \(ValueError: edge_index: 1 value\(s\) outside \[0, \d+\), the first 99999"),
+    ("graph-label-out-of-range", GRAPH, _edit_graph("labels", _set((0,), 50)),
+     r"not a saved graph \(ValueError: labels: 1 value\(s\) outside \[-1, 7\), the first 50"),
+    ("graph-negative-train-id", GRAPH, _edit_graph("train_idx", _set((0,), -5)),
+     r"not a saved graph \(ValueError: train_idx: 1 value\(s\) outside \[0, \d+\), the first -5"),
+    ("graph-no-train-nodes", GRAPH, _edit_graph("train_idx", lambda ids: ids[:0]),
+     r"not a saved graph \(ValueError: train_idx: no nodes"),
+    ("graph-nan-feature", GRAPH, _edit_graph("features_values", _set((0,), float("nan"))),
+     r"not a saved graph \(ValueError: features: NaN or infinite values"),
+    # As if Citeseer's graph.pt had been copied over Cora's: meta.json, written with it, disagrees.
+    ("graph-of-another-dataset", GRAPH, lambda path: _edit_json(num_nodes=3327)(path.parent / "meta.json"),
+     r"its num_nodes is \d+, but meta.json says 3327"),
     ("meta-a-list", META, _write("[1, 2]"), r"expected a JSON object, found a list"),
     ("meta-not-json", META, _write('{"dataset": "co'), r"not valid JSON \(JSONDecodeError: "),
     ("meta-without-dataset", META, _write("{}"), r"it lacks 'dataset', 'source_sha256'"),
