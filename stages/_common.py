@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -69,13 +70,24 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# YAML 1.2's floats without a dot (`1e9`, `5e-4`): PyYAML (YAML 1.1) reads them as strings, DVC (ruamel, YAML 1.2) as
+# numbers; params.yaml means what DVC reads. Checked after PyYAML's own resolvers, so `5` stays an int.
+_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$"),
+                                       list("-+0123456789"))
+
+
+def parse_params_yaml(text: str) -> Any:
+    """params.yaml's text as DVC reads it, but strictly: a key set twice raises (a yaml.YAMLError)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def load_params(path: str | Path = "params.yaml") -> Params:
     """Validate the whole file, so that a bad key anywhere stops every stage before it works."""
     path = Path(path)
     if not path.is_file():
         fail(f"{path} not found: run the stage from the repository root (dvc repro does).")
     try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+        raw = parse_params_yaml(path.read_text())
     except _DuplicateKey as error:
         fail(f"{path}: {error}; delete one of them.")
     except yaml.MarkedYAMLError as error:

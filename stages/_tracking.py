@@ -23,7 +23,7 @@ from filelock import FileLock
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from stages._common import disk_full, fail, no_space, repo_root
+from stages._common import disk_full, fail, no_space, parse_params_yaml, repo_root
 from stages._fetch import redact_urls
 
 # Separate experiments keep the training table one row per training configuration.
@@ -576,7 +576,7 @@ def params_changed_from_committed(current: Mapping[str, object], committed_yaml:
     if committed_yaml is None:
         return {}
     try:
-        committed = flatten(Params.from_dict(yaml.safe_load(committed_yaml)))
+        committed = flatten(Params.from_dict(parse_params_yaml(committed_yaml)))
     except (yaml.YAMLError, ParamsError):
         return {}
     return {key: (committed.get(key, "(not set)"), value) for key, value in current.items()

@@ -127,3 +127,16 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path: Path,
                                                    f"space there (`df -h {tmp_path}`), then rerun")):
         common.write_atomic(tmp_path / "model.pt", b"weights")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_float_without_a_dot_reads_as_dvc_reads_it(tmp_path: Path) -> None:
+    """`lr: 5e-3` is a number to DVC (YAML 1.2); PyYAML alone would read the string '5e-3' and refuse it."""
+    from stages._common import parse_params_yaml
+
+    assert parse_params_yaml("lr: 5e-3\nbig: 1E9\nepochs: 5\nname: e5") == {"lr": 0.005, "big": 1e9, "epochs": 5,
+                                                                           "name": "e5"}
+    text = (REPO / "params.yaml").read_text()
+    train_lr = re.search(r"^train:.*\n(?:  .*\n)*?    lr: 0\.005\n", text, re.MULTILINE)
+    assert train_lr is not None
+    changed = text[:train_lr.end()].replace("lr: 0.005\n", "lr: 7e-3\n") + text[train_lr.end():]
+    assert load_params(_write(tmp_path, changed)).train.optim.lr == 0.007
