@@ -104,6 +104,7 @@ class PreprocessParams:
     random_test_size: int
 
     def validate(self, p: str) -> None:
+        _in_range(self.random_seed, f"{p}.random_seed", 0, 2**63 - 1)  # torch.Generator's seed
         for name in ("random_train_size", "random_val_size", "random_test_size"):
             _in_range(getattr(self, name), f"{p}.{name}", 1, 1_000_000)
 

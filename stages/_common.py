@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import errno
@@ -121,13 +122,56 @@ def check_tracking_uri() -> None:
         scheme, problem = "", f"it is not a URI ({error})"
     else:
         problem = f"MLflow reads no `{scheme}://` store" if scheme else ""
-    if scheme.split("+")[0] in TRACKING_SCHEMES or not problem:
-        return
     from stages._fetch import redact_urls
 
+    if scheme.split("+")[0] in TRACKING_SCHEMES or not problem:
+        problem = _store_unusable(uri, scheme)
+        if problem:
+            fail(f"MLFLOW_TRACKING_URI is {redact_urls(uri)!r}: {problem}")
+        return
     fail(f"MLFLOW_TRACKING_URI is {redact_urls(uri)!r}: {problem}; it takes "
          f"{', '.join(f'{name}://' for name in TRACKING_SCHEMES[:7])} (a team server is http(s)://host:port). "
          "Fix it, or unset it to track into mlflow.db.")
+
+
+# The Python module SQLAlchemy loads for each database scheme without a `+driver` (`mysql+pymysql` names its own).
+DATABASE_DRIVERS = {"postgresql": "psycopg2", "mysql": "MySQLdb", "mssql": "pyodbc"}
+
+
+def _store_unusable(uri: str, scheme: str) -> str:
+    """Why a store MLflow reads can't be used from here (its driver is not installed; a SQLite file in a folder
+    that does not exist, which MLflow would create without a word, often a typo), or ''."""
+    import importlib.util
+
+    kind, _, driver = scheme.partition("+")
+    module = {"pymysql": "pymysql", "psycopg2": "psycopg2", "psycopg": "psycopg", "pyodbc": "pyodbc",
+              "mysqldb": "MySQLdb"}.get(driver, driver) if driver else DATABASE_DRIVERS.get(kind)
+    if module and importlib.util.find_spec(module) is None:
+        return (f"its database driver `{module}` is not installed in this environment: install it into .venv "
+                "(`.venv/bin/pip install ...`), or use a team server (http://) or SQLite.")
+    if kind == "sqlite" and uri.startswith("sqlite:///") and uri != "sqlite:///:memory:":
+        folder = Path(uri.removeprefix("sqlite:///")).parent
+        if not folder.is_dir():
+            return (f"the database's folder {folder} does not exist: create it, or fix the path "
+                    "(sqlite:////absolute/path.db, or sqlite:///relative.db).")
+    return ""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line (`error: ...`, exit 2), like every other error of a stage,
+    and which calls the stage what a user types: `python -m stages.train`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        stage = sys._getframe(1).f_globals  # the stage module that makes the parser
+        name = stage.get("__name__")
+        if name == "__main__":  # run as `python -m stages.train`: its import name is its spec's
+            name = getattr(stage.get("__spec__"), "name", None)
+        if name:
+            kwargs.setdefault("prog", f"python -m {name}")
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see `{self.prog} --help`).\n")
 
 
 def require(path: str | Path, producer: str) -> Path:

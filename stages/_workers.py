@@ -32,6 +32,7 @@ any other thread.
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.process
 import contextlib
 import ctypes
 import multiprocessing
@@ -43,6 +44,8 @@ import time
 from types import TracebackType
 from multiprocessing.resource_sharer import _ResourceSharer  # type: ignore[attr-defined]  # private, not in typeshed
 from typing import Any, Callable, Iterable, Iterator, Sequence
+
+from stages._common import fail
 
 # <linux/prctl.h>
 _PR_SET_PDEATHSIG = 1
@@ -128,6 +131,16 @@ def _group_signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
+def _result(future: concurrent.futures.Future) -> Any:
+    """A finished job's result; its exception, or one line when its worker died under it (killed, the OOM killer):
+    the executor then fails every job, and the stage kills the other workers on its way out."""
+    try:
+        return future.result()
+    except concurrent.futures.process.BrokenProcessPool:
+        fail("a worker process died while it ran a job (killed, or out of memory: see `dmesg`); the other "
+             "workers are stopped: rerun the stage")
+
+
 class WorkerPool:
     """`workers` spawned processes; see the module docstring. Use it as a context manager."""
 
@@ -162,8 +175,8 @@ class WorkerPool:
                                                             return_when=concurrent.futures.FIRST_COMPLETED)
                     for finished in done:
                         if not finished.cancelled() and finished.exception() is not None:
-                            finished.result()  # raises the job's exception
-                yield future.result()
+                            _result(finished)  # raises the job's exception
+                yield _result(future)
 
         return results()
 
@@ -183,7 +196,7 @@ class WorkerPool:
             done, pending = concurrent.futures.wait(pending, timeout=_POLL_S,
                                                     return_when=concurrent.futures.FIRST_COMPLETED)
             for finished in sorted(done, key=futures.__getitem__):
-                yield futures[finished], finished.result()  # raises the job's exception
+                yield futures[finished], _result(finished)  # raises the job's exception
 
     def workers(self) -> list[multiprocessing.process.BaseProcess]:
         """This pool's live worker processes: the children started since the pool was made."""

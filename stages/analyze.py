@@ -13,7 +13,6 @@ every computation runs on one thread, and the PNGs carry no library version.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import tempfile
@@ -28,7 +27,7 @@ from threadpoolctl import threadpool_limits
 from gat.analysis import (attention_entropy, neighbourhood, pick_examples, portable_inspect, silhouette, tsne,
                           two_hop_sizes, uniform_entropy)
 from gat.training import GraphTensors, evaluate
-from stages._common import (RUN_JSON, fail, load_json, load_model, load_params, load_prepared, main,
+from stages._common import (ArgumentParser, RUN_JSON, fail, load_json, load_model, load_params, load_prepared, main,
                             outputs_together, require, write_atomic)
 from stages._figures import (class_names, confusion_figure, curves_figure, embedding_figure, entropy_figure,
                              neighbourhood_figure, png_bytes)
@@ -50,7 +49,7 @@ def _metric(value: float) -> float:
 
 
 def run() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--data", required=True, type=Path, help="a preprocess output folder")
     parser.add_argument("--train", required=True, type=Path, help="the train stage's output folder")
     parser.add_argument("--out", required=True, type=Path)

@@ -30,7 +30,7 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
 from gat.reproduction import PAPER
-from stages._common import check_tracking_uri, fail, main, repo_root, write_atomic
+from stages._common import ArgumentParser, check_tracking_uri, fail, main, repo_root, write_atomic
 from stages._report import pct
 from stages._tracking import COMPARE_EXPERIMENT, REPRODUCE_EXPERIMENT, shown_uri, stage_run, use_store
 
@@ -172,7 +172,7 @@ def figure(configs: Sequence[Configuration], keys: Sequence[str]):
 
 
 def run() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--exp", action="append", default=[], metavar="NAME",
                         help="only the runs of this DVC experiment (repeat it for several); default: every run")
     parser.add_argument("--markdown", type=Path, default=Path("reports/compare.md"))

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -14,12 +13,12 @@ import mlflow
 from gat.config import DATASETS, flatten
 from gat.data import file_names
 from stages import _fetch
-from stages._common import atomic_dir, load_params, main
+from stages._common import ArgumentParser, atomic_dir, load_params, main
 from stages._tracking import DATA_EXPERIMENT, stage_run, standard_tags
 
 
 def run() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--dataset", required=True, choices=DATASETS)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()

@@ -12,21 +12,20 @@ matrix (JSON and PNG), and, when its val_acc beats the registered champion's, th
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import mlflow
 from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
 
 from gat.training import GraphTensors, evaluate
-from stages._common import (RUN_JSON, fail, load_json, load_model, load_params, load_prepared, main,
+from stages._common import (ArgumentParser, RUN_JSON, fail, load_json, load_model, load_params, load_prepared, main,
                             outputs_together, write_csv, write_json)
 from stages._figures import class_names, confusion_figure
 from stages._tracking import promote_if_champion, stage_run
 
 
 def run() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--data", required=True, type=Path, help="a preprocess output folder")
     parser.add_argument("--train", required=True, type=Path, help="the train stage's output folder")
     parser.add_argument("--out", required=True, type=Path)

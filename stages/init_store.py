@@ -7,15 +7,13 @@ fails; `make repro` and `make ui` run this first so the store always exists. Wit
 `--ui-base`, it prints the UI address of each experiment's runs table.
 """
 
-import argparse
-
-from stages._common import main
+from stages._common import ArgumentParser, main
 from stages._tracking import (COMPARE_EXPERIMENT, DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT, connect,
                               shown_uri, ui_url)
 
 
 def run() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--ui-base", help="the MLflow UI's address, to print each experiment's page")
     args = parser.parse_args()
     experiments = (TRAIN_EXPERIMENT, REPRODUCE_EXPERIMENT, DATA_EXPERIMENT, COMPARE_EXPERIMENT)

@@ -8,7 +8,6 @@ and `meta.json` (sizes, split settings, per-class counts, source checksums).
 
 from __future__ import annotations
 
-import argparse
 import pickle
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 from gat.config import DATASETS, flatten
 from gat.data import Graph, describe, file_names, graph_to_tensors, parse_planetoid, random_split
 from stages import _fetch
-from stages._common import atomic_dir, fail, load_params, main, require, write_json
+from stages._common import ArgumentParser, atomic_dir, fail, load_params, main, require, write_json
 from stages._tracking import DATA_EXPERIMENT, log_dataset, stage_run, standard_tags
 
 
@@ -36,7 +35,7 @@ def _parse(raw: dict[str, bytes], folder: Path, dataset: str) -> Graph:
 
 
 def run() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--dataset", required=True, choices=DATASETS)
     parser.add_argument("--raw", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)

@@ -8,16 +8,15 @@ Reads `<reproduced>/<dataset>/summary.json` for every dataset in params.yaml's `
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from stages._common import load_params, main, require, write_atomic, write_json
+from stages._common import ArgumentParser, load_params, main, require, write_atomic, write_json
 from stages._report import metrics, pct, tables
 
 
 def run() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--reproduced", required=True, type=Path, help="the reproduce stages' parent folder")
     parser.add_argument("--markdown", required=True, type=Path)
     parser.add_argument("--metrics", required=True, type=Path)

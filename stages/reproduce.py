@@ -14,7 +14,6 @@ process logs, once every batch is in: the outputs are byte-identical whichever w
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import os
@@ -31,8 +30,8 @@ from gat.config import Setup, flatten
 from gat.data import graph_to_tensors
 from gat.training import planned_kernel
 from gat.reproduction import PAPER, correct_answers, histogram, summarise
-from stages._common import (device_for, fail, load_params, load_prepared, main, outputs_together, write_csv,
-                            write_json)
+from stages._common import (ArgumentParser, device_for, fail, load_params, load_prepared, main, outputs_together,
+                            write_csv, write_json)
 from stages._report import dataset_section, histogram_bins, histogram_figure
 from stages._seeds import BatchResult, code_sha256, train_seeds
 from stages._tracking import NOTE, REPRODUCE_EXPERIMENT, describe_run, log_child_runs, stage_run, standard_tags
@@ -104,7 +103,7 @@ def _check_same_code(results: Sequence[BatchResult] | dict[str, str]) -> None:
 
 
 def run() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--data", required=True, type=Path, help="a preprocess output folder")
     parser.add_argument("--out", required=True, type=Path)

@@ -10,7 +10,6 @@ the model, named `gat-<dataset>`.
 
 from __future__ import annotations
 
-import argparse
 import io
 from pathlib import Path
 
@@ -21,8 +20,8 @@ from tqdm import tqdm
 from gat.config import ModelConfig, flatten, training_memory_bytes
 from gat.model import NodeClassifier, model_state
 from gat.training import EpochMetrics, GraphTensors, train
-from stages._common import (device_for, fail, load_params, load_prepared, main, outputs_together, write_atomic,
-                            write_csv, write_json)
+from stages._common import (ArgumentParser, device_for, fail, load_params, load_prepared, main, outputs_together,
+                            write_atomic, write_csv, write_json)
 from stages._fetch import redact
 from stages._figures import curves_figure
 from stages._tracking import (NOTE, TRAIN_EXPERIMENT, EpochLogger, describe_run, log_dataset, model_name, stage_run,
@@ -76,7 +75,7 @@ def memory_problem(config: ModelConfig, key: str, graph_sizes: tuple[int, int, i
 
 
 def run() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--data", required=True, type=Path, help="a preprocess output folder")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()

@@ -239,6 +239,41 @@ def test_an_unusable_tracking_uri_is_one_line_before_any_work(workdir: Path, mon
     assert not (workdir / f"data/{stage}-out").exists()
 
 
+@pytest.mark.parametrize("uri, problem", [
+    ("mysql://user:secret@127.0.0.1:1/db", r"'mysql://\*\*\*@127\.0\.0\.1:1/db': its database driver `MySQLdb` is "
+                                           r"not installed in this environment: install it into \.venv .*"),
+    ("mysql+pymysql://u@127.0.0.1:1/db", r"'mysql\+pymysql://\*\*\*@127\.0\.0\.1:1/db': its database driver "
+                                         r"`pymysql` is not installed .*"),
+    ("sqlite:////nonexistent/typo/mlflow.db", r"'sqlite:////nonexistent/typo/mlflow\.db': the database's folder "
+                                              r"/nonexistent/typo does not exist: create it, or fix the path .*"),
+], ids=["mysql-without-driver", "pymysql-without-driver", "sqlite-in-a-missing-folder"])
+def test_a_store_that_cannot_be_used_from_here_is_one_line_before_any_work(
+        workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], uri: str,
+        problem: str) -> None:
+    """A scheme MLflow reads, but a driver that is not installed (a 60-line traceback after the work) or a SQLite
+    file in a folder that does not exist (which MLflow would create, as root, without a word)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    code = run_stage_in_process(monkeypatch, "stages.train", STAGES["train"], *_stage_args("train"))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert re.fullmatch(rf"error: MLFLOW_TRACKING_URI is {problem}\n", err), err
+    assert "secret" not in err
+    assert not Path("/nonexistent").exists()
+    assert not (workdir / "data/train-out").exists()
+
+
+@pytest.mark.parametrize("stage", ["train", "preprocess", "reproduce"])
+def test_a_bad_command_line_is_one_line(stage: str) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", f"stages.{stage}", "--bogus"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert re.fullmatch(rf"error: (?:the following arguments are required: .*|unrecognized arguments: --bogus) "
+                        rf"\(see `python -m stages\.{stage} --help`\)\.\n", done.stderr), done.stderr
+
+
 def _huge_model(workdir: Path) -> None:
     """The issue's `hidden_features: 4096, heads: 64`: in range, and far more than a small machine holds."""
     params = workdir / "params.yaml"

@@ -98,6 +98,8 @@ def test_a_wrong_type_is_named(raw, key: str, value: Any) -> None:
     ("train.model.hidden_features", 0),
     ("reproduce.seeds", 1),
     ("download.base_url", "ftp://example.org/data"),
+    ("preprocess.random_seed", -1),
+    ("preprocess.random_seed", 99999999999999999999999),
 ])
 def test_an_out_of_range_value_is_named(raw, key: str, value: Any) -> None:
     _refused(_set(raw, key, value), key)

@@ -343,6 +343,22 @@ def test_a_signal_stops_running_jobs_at_once(tmp_path: Path, cleanup: Cleanup, s
     assert _lines(out, "done") == []
 
 
+def test_a_killed_worker_is_one_line_and_stops_the_others(tmp_path: Path, cleanup: Cleanup) -> None:
+    """A worker SIGKILLed (the OOM killer, say): the executor fails every job; the stage says so in one line."""
+    process, out, err = _start(POOL_STAGE, tmp_path, "600", "600", "600")
+    try:
+        cleanup.watch(process.pid)
+        _wait_started(process, out, err)
+        cleanup.watch(process.pid)
+        _workers(process.pid)[0].kill()
+        assert process.wait(timeout=STOP_S) == 2, err.read_text()
+        assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S)
+    finally:
+        process.kill()
+    assert err.read_text() == ("error: a worker process died while it ran a job (killed, or out of memory: see "
+                               "`dmesg`); the other workers are stopped: rerun the stage\n")
+
+
 def test_a_failed_job_stops_the_others_at_once(tmp_path: Path, cleanup: Cleanup) -> None:
     process, out, err = _start(POOL_STAGE, tmp_path, "600", "-1", "600")
     try:
