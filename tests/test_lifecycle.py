@@ -217,10 +217,11 @@ def _dump_stacks(processes: Iterable[psutil.Process]) -> list[str]:
     return described
 
 
-# Starts a command with Ctrl-C's default action, as from a terminal: a test runner that itself runs as a
-# background job (`make test &`, some CI runners) ignores SIGINT, and its children would inherit that.
-WITH_DEFAULT_SIGINT = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                       "os.execv(sys.argv[1], sys.argv[1:])"]
+# Starts a command with Ctrl-C's and SIGHUP's default actions, as from a terminal: a test runner that itself runs as
+# a background job (`make test &`, some CI runners) ignores SIGINT, one under `nohup` ignores SIGHUP, and its children
+# would inherit that (a stage keeps ignoring what it was started ignoring, as `nohup` means it to).
+WITH_DEFAULT_SIGNALS = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                        "signal.signal(signal.SIGHUP, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"]
 
 
 def _start(script: str, tmp_path: Path, *args: str, **popen: object) -> tuple[subprocess.Popen, Path, Path]:
@@ -231,7 +232,7 @@ def _start(script: str, tmp_path: Path, *args: str, **popen: object) -> tuple[su
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}
     with out.open("w") as stdout, err.open("w") as stderr:
-        process = subprocess.Popen([*WITH_DEFAULT_SIGINT, sys.executable, str(path), *args], cwd=tmp_path, env=env,
+        process = subprocess.Popen([*WITH_DEFAULT_SIGNALS, sys.executable, str(path), *args], cwd=tmp_path, env=env,
                                    stdout=stdout, stderr=stderr, **popen)  # type: ignore[call-overload]
     return process, out, err
 
@@ -464,7 +465,7 @@ def _start_reproduce(pipeline: Pipeline, tmp_path: Path, **popen: object) -> tup
     err = tmp_path / "stderr.txt"
     with err.open("w") as stderr:
         process = subprocess.Popen(
-            [*WITH_DEFAULT_SIGINT, str(VENV_BIN / "python"), "-m", "stages.reproduce", "--dataset", "cora", "--data",
+            [*WITH_DEFAULT_SIGNALS, str(VENV_BIN / "python"), "-m", "stages.reproduce", "--dataset", "cora", "--data",
              "data/prepared/cora",
              "--out", str(tmp_path / "out")], cwd=pipeline.root, env=pipeline.env, stdout=subprocess.DEVNULL,
             stderr=stderr, **popen)  # type: ignore[call-overload]
@@ -545,7 +546,7 @@ def test_a_stage_whose_dvc_dies_stops_and_writes_nothing(pipeline_copy: Pipeline
     # PYTHONFAULTHANDLER, so that a stage still running at the end dumps every thread's stack there (SIGABRT).
     out, err = tmp_path / "dvc-stdout.txt", tmp_path / "dvc-stderr.txt"
     with out.open("w") as stdout, err.open("w") as stderr:
-        dvc = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "train"], cwd=pipeline_copy.root,
+        dvc = subprocess.Popen([*WITH_DEFAULT_SIGNALS, str(VENV_BIN / "dvc"), "repro", "train"], cwd=pipeline_copy.root,
                                env={**pipeline_copy.env, "PYTHONFAULTHANDLER": "1"}, stdout=stdout, stderr=stderr,
                                start_new_session=signum == signal.SIGHUP)
     try:
