@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DVC_NO_ANALYTICS := 1
 PIP_INSTALL := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: repro test lint ui bench bench-team bench-scale compare figures constraints clean team-up team-down team-status team-remote system-deps
+.PHONY: repro test test-all lint ui bench bench-team bench-scale compare figures constraints clean team-up team-down team-status team-remote system-deps
 
 $(VENV)/.runtime: requirements.txt constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,9 +34,14 @@ repro: $(VENV)/.runtime $(VENV)/.fused
 	$(RUN) $(BIN)/python -m stages.init_store
 	$(RUN) $(BIN)/dvc repro
 
-## test: set up .venv with the dev requirements and run the whole test suite (the team tests start their
-## own PostgreSQL, SeaweedFS and MLflow server: PostgreSQL must be installed, see `make system-deps`)
+## test: set up .venv with the dev requirements and run the fast tier (minutes): every test that needs neither
+## the real pipeline, nor a server, nor a Dask cluster, nor minutes of its own (markers in pyproject.toml)
 test: $(VENV)/.dev $(VENV)/.fused
+	$(RUN) $(BIN)/python -m pytest -m "not (e2e or team or dask or slow)" tests
+
+## test-all: the whole suite, as CI runs it (the team tests start their own PostgreSQL, SeaweedFS and MLflow
+## server: PostgreSQL must be installed, see `make system-deps`)
+test-all: $(VENV)/.dev $(VENV)/.fused
 	$(RUN) $(BIN)/python -m pytest tests
 
 ## system-deps: as root, install the Debian packages the team backend needs (PostgreSQL), if missing

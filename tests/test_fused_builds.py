@@ -26,6 +26,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 COMPILER = shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++")
 
+# Five compiler builds, each self-checked and trained: about 90 s; `make test-all` runs them.
+pytestmark = pytest.mark.slow
+
 
 def _cpu_flags() -> frozenset[str]:
     from gat.fused import cpu_facts

@@ -428,6 +428,7 @@ def test_concurrent_evaluations_leave_the_champion_on_the_best_model_on_the_serv
     assert outcomes == ["right"] * 10, outcomes
 
 
+@pytest.mark.slow  # about 25 s: 2 rounds of 4 evaluator processes
 def test_concurrent_evaluations_leave_the_champion_on_the_best_model_in_sqlite(tmp_path: Path) -> None:
     env = clean_env() | {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     outcomes = _race(tmp_path, env, rounds=2)
