@@ -13,9 +13,12 @@ PIP_INSTALL := $(BIN)/pip install --quiet --disable-pip-version-check -c constra
 
 .PHONY: repro test test-all lint ui bench bench-team bench-scale compare figures constraints clean team-up team-down team-status team-remote system-deps
 
-$(VENV)/.runtime: requirements.txt constraints.txt
+# The project itself is installed in editable mode (pyproject.toml): the venv's python imports gat, stages and tools
+# from any folder, with no PYTHONPATH.
+$(VENV)/.runtime: requirements.txt constraints.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -r requirements.txt
+	$(PIP_INSTALL) --no-build-isolation --no-deps --editable .
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
@@ -31,7 +34,7 @@ $(VENV)/.fused: $(VENV)/.runtime gat/csrc/fused.cpp gat/fused.py gat/fused_check
 
 ## repro: set up .venv and run the whole pipeline (dvc repro)
 repro: $(VENV)/.runtime $(VENV)/.fused
-	$(RUN) $(BIN)/python -m stages.init_store
+	$(RUN) $(BIN)/python -m tools.init_store
 	$(RUN) $(BIN)/dvc repro
 
 ## test: set up .venv with the dev requirements and run the fast tier (minutes): every test that needs neither
@@ -50,16 +53,16 @@ system-deps:
 
 ## lint: set up .venv with the dev requirements, then ruff and mypy (ruff.toml, mypy.ini) on the code
 lint: $(VENV)/.dev
-	$(BIN)/ruff check gat stages benchmarks team
-	$(BIN)/mypy gat stages benchmarks team
+	$(BIN)/ruff check gat stages tools benchmarks team
+	$(BIN)/mypy gat stages tools benchmarks team
 
 ## ui: the MLflow UI on http://127.0.0.1:5000 against the project's store; with a team server's settings
 ## sourced (MLFLOW_TRACKING_URI=http://...), the addresses of that server's pages instead
 ui: $(VENV)/.runtime
 	@echo "Open these pages (the \"Model training\" view, with the important columns shown):"
 	@case "$${MLFLOW_TRACKING_URI:-}" in \
-	  http://*|https://*) $(RUN) $(BIN)/python -m stages.init_store --ui-base "$$MLFLOW_TRACKING_URI" ;; \
-	  *) $(RUN) $(BIN)/python -m stages.init_store --ui-base http://127.0.0.1:5000 && \
+	  http://*|https://*) $(RUN) $(BIN)/python -m tools.init_store --ui-base "$$MLFLOW_TRACKING_URI" ;; \
+	  *) $(RUN) $(BIN)/python -m tools.init_store --ui-base http://127.0.0.1:5000 && \
 	     $(BIN)/mlflow ui --host 127.0.0.1 --port 5000 \
 	       --backend-store-uri "$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}" \
 	       --artifacts-destination "$(CURDIR)/mlartifacts" ;; \
@@ -92,14 +95,14 @@ bench-team: $(VENV)/.dev
 
 ## figures: the README's pictures (reports/figures/): the pipeline up to analyze, then its PNGs copied
 figures: $(VENV)/.runtime
-	$(RUN) $(BIN)/python -m stages.init_store
+	$(RUN) $(BIN)/python -m tools.init_store
 	$(RUN) $(BIN)/dvc repro analyze
 	mkdir -p reports/figures
 	cp data/analysis/*.png reports/figures/
 
 ## compare: one table and plot of every reproduced configuration (dvc exp sweeps), from MLflow
 compare: $(VENV)/.runtime
-	$(RUN) $(BIN)/python -m stages.compare --markdown reports/compare.md --plot reports/compare.png
+	$(RUN) $(BIN)/python -m tools.compare --markdown reports/compare.md --plot reports/compare.png
 
 ## bench-scale: reproduce@cora's 100 seeds on the local executor and on Dask LocalClusters of 2 and 1 workers
 bench-scale: $(VENV)/.dev

@@ -2,7 +2,7 @@
 
     python -m benchmarks.child_runs --out reports/benchmark-team.json      (what `make bench-team` runs)
 
-The reproduce stage logs one child run per seed after training, with stages._tracking.log_child_runs (a
+The reproduce stage logs one child run per seed after training, with stages.support.tracking.log_child_runs (a
 create, a batch of params, metrics and tags, and a terminate per seed). This times exactly that call for
 `--seeds` children (100, as reproduce@cora), `--repeats` times, against
 
@@ -40,7 +40,8 @@ def time_child_logging(seeds: int, repeats: int) -> list[float]:
     """Seconds per `log_child_runs` of `seeds` children, against the store MLFLOW_TRACKING_URI names."""
     from mlflow.tracking import MlflowClient
 
-    from stages._tracking import REPRODUCE_EXPERIMENT, connect, log_child_runs
+    from stages.support.store import REPRODUCE_EXPERIMENT, connect
+    from stages.support.tracking import log_child_runs
 
     experiment_id = connect(REPRODUCE_EXPERIMENT)
     client = MlflowClient()
@@ -86,7 +87,7 @@ def run(seeds: int, repeats: int) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from stages._common import write_json
+    from stages.support.files import write_json
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.child_runs", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "reports" / "benchmark-team.json")

@@ -19,7 +19,7 @@ The implementations:
 - `pyg`: `torch_geometric.nn.GATConv` in the architecture of PyG's `examples/gat.py`, on the
   whole graph with dense row-normalised features; at one and at two intra-op threads. The
   faster of the two is the reference the ratios are taken against.
-- `dense`: the tutorial's `GraphAttentionLayer` (benchmarks/dense_reference.py), O(N²·H) memory;
+- `dense`: the tutorial's `GraphAttentionLayer` (gat/dense_reference.py), O(N²·H) memory;
   on the whole graph when its estimated peak fits in the available memory, else on an
   induced subgraph (the output says which).
 
@@ -32,7 +32,7 @@ is measured as the baseline.
 
 The raw Cora files come from `--data-dir`; by default from ../shared/datasets/planetoid when
 that folder exists, else from data/raw/cora, where `make repro` downloads them. They are checked
-against the pinned SHA-256 list (stages/checksums/planetoid.sha256) either way.
+against the pinned SHA-256 list (gat/planetoid.sha256) either way.
 """
 
 from __future__ import annotations
@@ -55,16 +55,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks import dense_reference
-from gat import fused
+from gat import dense_reference, fused
 from gat.config import ModelConfig, OptimConfig
 from gat.data import Graph, file_names, parse_planetoid
 from gat.dropout import ReplicaDropout
 from gat.graph import Neighbourhoods
 from gat.model import GAT
 from gat.training import GraphTensors, NodeView, evaluate, loss_and_accuracy, train, train_step
-from stages._common import StageError, write_json
-from stages._seeds import worker_facts
+from stages.support.files import write_json
+from stages.support.params import StageError
+from stages.support.seed_task import worker_facts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATASET = "cora"
@@ -111,7 +111,7 @@ def default_data_dir() -> Path:
 
 
 def read_raw(folder: Path, dataset: str = DATASET, verify: bool = True) -> dict[str, bytes]:
-    """The eight raw `ind.<dataset>.*` files' bytes, checked against stages/checksums/planetoid.sha256 when `verify`."""
+    """The eight raw `ind.<dataset>.*` files' bytes, checked against gat/planetoid.sha256 when `verify`."""
     folder = Path(folder)
     names = file_names(dataset)
     missing = [name for name in names if not (folder / name).is_file()]
@@ -120,8 +120,8 @@ def read_raw(folder: Path, dataset: str = DATASET, verify: bool = True) -> dict[
                          f"--data-dir FOLDER, a folder with the eight ind.{dataset}.* files")
     if not verify:
         return {name: (folder / name).read_bytes() for name in names}
-    # Imported here: stages._fetch pulls in requests, which the peak-RSS processes should not pay for.
-    from stages._fetch import read_checksums, read_verified
+    # Imported here: stages.support.fetch pulls in requests, which the peak-RSS processes should not pay for.
+    from stages.support.fetch import read_checksums, read_verified
 
     return read_verified(folder, read_checksums(names), producer=f"download@{dataset}")
 

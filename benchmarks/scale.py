@@ -89,7 +89,7 @@ def prepare(root: Path, data_dir: Path, seeds: int) -> dict[str, str]:
     _set_params(root, **{"reproduce.seeds": seeds, "reproduce.first_seed": 0})
     env = _environment(root)
     python = sys.executable
-    _run([python, "-m", "stages.init_store"], root, env)
+    _run([python, "-m", "tools.init_store"], root, env)
     _run([python, "-m", "stages.preprocess", "--dataset", DATASET, "--raw", str(data_dir), "--out",
           f"data/prepared/{DATASET}"], root, env)
     return env
@@ -135,7 +135,7 @@ def _hms(seconds: float) -> str:
 
 def measure(args: argparse.Namespace) -> dict:
     from benchmarks.engine import default_data_dir
-    from stages._seeds import worker_facts
+    from stages.support.seed_task import worker_facts
 
     data_dir = args.data_dir or default_data_dir()
     with tempfile.TemporaryDirectory(prefix="gat-scale-") as scratch:
@@ -218,7 +218,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from stages._common import StageError
+    from stages.support.params import StageError
 
     args = parse_args(argv)
     try:

@@ -24,14 +24,30 @@ import torch
 from sklearn.metrics import confusion_matrix
 from threadpoolctl import threadpool_limits
 
-from gat.analysis import (attention_entropy, neighbourhood, pick_examples, portable_inspect, silhouette, tsne,
-                          two_hop_sizes, uniform_entropy)
+from gat.analysis import (
+    attention_entropy,
+    neighbourhood,
+    pick_examples,
+    portable_inspect,
+    silhouette,
+    tsne,
+    two_hop_sizes,
+    uniform_entropy,
+)
 from gat.training import GraphTensors, evaluate
-from stages._common import (ArgumentParser, RUN_JSON, fail, load_json, load_model, load_params, load_prepared, main,
-                            outputs_together, require, write_atomic)
-from stages._figures import (class_names, confusion_figure, curves_figure, embedding_figure, entropy_figure,
-                             neighbourhood_figure, png_bytes)
-from stages._tracking import stage_run
+from stages.support.figures import (
+    class_names,
+    confusion_figure,
+    curves_figure,
+    embedding_figure,
+    entropy_figure,
+    neighbourhood_figure,
+    png_bytes,
+)
+from stages.support.files import RUN_JSON, load_json, load_model, load_prepared, outputs_together, require, write_atomic
+from stages.support.interrupts import main
+from stages.support.params import ArgumentParser, fail, load_params
+from stages.support.tracking import stage_run
 
 # What the stage writes, each PNG with its size in pixels (width, height), as the README lists them.
 PICTURES = {

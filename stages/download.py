@@ -12,9 +12,12 @@ import mlflow
 
 from gat.config import DATASETS, flatten
 from gat.data import file_names
-from stages import _fetch
-from stages._common import ArgumentParser, atomic_dir, load_params, main
-from stages._tracking import DATA_EXPERIMENT, stage_run, standard_tags
+from stages.support import fetch
+from stages.support.files import atomic_dir
+from stages.support.interrupts import main
+from stages.support.params import ArgumentParser, load_params
+from stages.support.store import DATA_EXPERIMENT
+from stages.support.tracking import stage_run, standard_tags
 
 
 def run() -> None:
@@ -23,18 +26,18 @@ def run() -> None:
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     params = load_params().download
-    expected = _fetch.read_checksums(file_names(args.dataset))
-    source = _fetch.resolve_source(params.base_url)
-    shown_source = _fetch.redact(str(source))  # a mirror URL may carry a password
+    expected = fetch.read_checksums(file_names(args.dataset))
+    source = fetch.resolve_source(params.base_url)
+    shown_source = fetch.redact(str(source))  # a mirror URL may carry a password
 
     with stage_run(DATA_EXPERIMENT, f"download-{args.dataset}", tags=standard_tags(args.dataset, expected)):
         # params.yaml's dotted keys, as every stage logs them; `dataset` and `source` are not in params.yaml.
-        logged = flatten(params, "download") | {"download.base_url": _fetch.redact(params.base_url)}
+        logged = flatten(params, "download") | {"download.base_url": fetch.redact(params.base_url)}
         mlflow.log_params({"dataset": args.dataset, "source": shown_source, **logged})
         started = time.perf_counter()
         # Any failure removes the staging folder: no partial files, the previous --out untouched.
         with atomic_dir(args.out) as staging:
-            sizes = _fetch.fetch(expected, source, staging,
+            sizes = fetch.fetch(expected, source, staging,
                                  timeout_s=params.timeout_s, retries=params.retries)
         seconds = time.perf_counter() - started
         mlflow.log_metrics({"total_bytes": sum(sizes.values()), "seconds": seconds})

@@ -18,10 +18,12 @@ import mlflow
 from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
 
 from gat.training import GraphTensors, evaluate
-from stages._common import (ArgumentParser, RUN_JSON, fail, load_json, load_model, load_params, load_prepared, main,
-                            outputs_together, write_csv, write_json)
-from stages._figures import class_names, confusion_figure
-from stages._tracking import promote_if_champion, stage_run
+from stages.support.champion import promote_if_champion
+from stages.support.figures import class_names, confusion_figure
+from stages.support.files import RUN_JSON, load_json, load_model, load_prepared, outputs_together, write_csv, write_json
+from stages.support.interrupts import main
+from stages.support.params import ArgumentParser, fail, load_params
+from stages.support.tracking import stage_run
 
 
 def run() -> None:

@@ -16,9 +16,12 @@ import torch
 
 from gat.config import DATASETS, flatten
 from gat.data import Graph, describe, file_names, graph_to_tensors, parse_planetoid, random_split
-from stages import _fetch
-from stages._common import ArgumentParser, atomic_dir, fail, load_params, main, require, write_json
-from stages._tracking import DATA_EXPERIMENT, log_dataset, stage_run, standard_tags
+from stages.support import fetch
+from stages.support.files import atomic_dir, require, write_json
+from stages.support.interrupts import main
+from stages.support.params import ArgumentParser, fail, load_params
+from stages.support.store import DATA_EXPERIMENT
+from stages.support.tracking import log_dataset, stage_run, standard_tags
 
 
 def _parse(raw: dict[str, bytes], folder: Path, dataset: str) -> Graph:
@@ -30,7 +33,7 @@ def _parse(raw: dict[str, bytes], folder: Path, dataset: str) -> Graph:
         problem = " ".join(str(error).split())
         # The bytes passed the pinned checksums, so they came from the mirror or a re-pinned list.
         fail(f"{folder}: {problem}. These are not the canonical Planetoid files: restore "
-             f"stages/checksums/planetoid.sha256 if it was changed, fix or unset {_fetch.MIRROR_ENV}, "
+             f"gat/planetoid.sha256 if it was changed, fix or unset {fetch.MIRROR_ENV}, "
              f"and run `dvc repro --force download@{dataset}`.")
 
 
@@ -43,9 +46,9 @@ def run() -> None:
     params = load_params()
     settings = params.preprocess
     producer = f"download@{args.dataset}"
-    expected = _fetch.read_checksums(file_names(args.dataset))
+    expected = fetch.read_checksums(file_names(args.dataset))
     # Checksums before unpickling: only the pinned bytes are ever unpickled.
-    raw = _fetch.read_verified(require(args.raw, producer), expected, producer)
+    raw = fetch.read_verified(require(args.raw, producer), expected, producer)
     graph = _parse(raw, args.raw, args.dataset)
 
     split_settings: dict[str, str | int] = {"name": settings.split}
@@ -68,7 +71,7 @@ def run() -> None:
             torch.save(graph_to_tensors(graph), staging / "graph.pt")
             write_json(staging / "meta.json", meta)
         mlflow.log_artifact(str(args.out / "meta.json"))
-        log_dataset(args.dataset, _fetch.redact(params.download.base_url), expected, context="preprocess")
+        log_dataset(args.dataset, fetch.redact(params.download.base_url), expected, context="preprocess")
     counts = "/".join(str(part["count"]) for part in meta["splits"].values())
     print(f"{args.dataset}: {meta['num_nodes']:,} nodes, {meta['num_edges']:,} edges, {meta['num_features']:,} "
           f"features, {meta['num_classes']} classes; {settings.split} split {counts} -> {args.out}")

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stages._common import ArgumentParser, load_params, main, require, write_atomic, write_json
-from stages._report import metrics, pct, tables
+from stages.support.files import require, write_atomic, write_json
+from stages.support.interrupts import main
+from stages.support.params import ArgumentParser, load_params
+from stages.support.tables import metrics, pct, tables
 
 
 def run() -> None:

@@ -7,8 +7,9 @@ Writes `seeds.csv` (one row per seed, with the SHA-256 of its restored weights),
 stages.report). MLflow gets one parent run with the summary, the report section and the histogram, and
 one child run per seed, tagged with where it ran.
 
-The batches of seeds run on `reproduce.executor`: `local` worker processes (stages._workers) or a Dask
-cluster (stages._dask). Either way a batch is one pure task (stages._seeds.train_seeds) and only this
+The batches of seeds run on `reproduce.executor`: `local` worker processes (stages.support.local_pool) or a Dask
+cluster (stages.support.dask_pool). Either way a batch is one pure task
+(stages.support.seed_task.train_seed_batch) and only this
 process logs, once every batch is in: the outputs are byte-identical whichever way, and wherever, it ran.
 """
 
@@ -28,17 +29,21 @@ from tqdm import tqdm
 
 from gat.config import Setup, flatten
 from gat.data import graph_to_tensors
-from gat.training import planned_kernel
 from gat.reproduction import PAPER, correct_answers, histogram, summarise
-from stages._common import (ArgumentParser, device_for, fail, load_params, load_prepared, main, outputs_together,
-                            write_csv, write_json)
-from stages._report import dataset_section, histogram_bins, histogram_figure
-from stages._seeds import BatchResult, code_sha256, train_seeds
-from stages._tracking import NOTE, REPRODUCE_EXPERIMENT, describe_run, log_child_runs, stage_run, standard_tags
-from stages._workers import WorkerPool, worker_pool
+from gat.seeds import BatchResult
+from gat.training import planned_kernel
+from stages.support.files import load_prepared, outputs_together, write_csv, write_json
+from stages.support.interrupts import main
+from stages.support.local_pool import WorkerPool, worker_pool
+from stages.support.params import ArgumentParser, device_for, fail, load_params
+from stages.support.seed_task import code_sha256
+from stages.support.seed_task import train_seed_batch as train_seeds
+from stages.support.store import NOTE, REPRODUCE_EXPERIMENT
+from stages.support.tables import dataset_section, histogram_bins, histogram_figure
+from stages.support.tracking import describe_run, log_child_runs, stage_run, standard_tags
 
 if TYPE_CHECKING:
-    from stages._dask import DaskPool
+    from stages.support.dask_pool import DaskPool
 
 
 @contextlib.contextmanager
@@ -46,11 +51,12 @@ def _starting_pool(executor: str, workers: int, device: torch.device
                    ) -> Iterator[Callable[[], "WorkerPool | DaskPool"]]:
     """A function that returns the executor's pool of workers; `workers` 0 is one per core, and one GPU serves one
     process. A Dask LocalCluster starts as the block begins, so that its workers' start overlaps the stage's
-    set-up (stages._dask.StartingPool); local workers start with their first batch, in the thread that asks."""
+    set-up (stages.support.dask_pool.StartingPool); local workers start with their first batch, in the thread that
+    asks."""
     if device.type == "cuda":
         workers = 1
     if executor == "dask":
-        from stages._dask import starting_dask_pool  # Dask is imported only when it is asked for
+        from stages.support.dask_pool import starting_dask_pool  # Dask is imported only when it is asked for
 
         with starting_dask_pool(workers) as starting:
             yield starting.pool
@@ -98,7 +104,7 @@ def _check_same_code(results: Sequence[BatchResult] | dict[str, str]) -> None:
     stale = sorted({worker for worker, digest in found if digest != here})
     if stale:
         fail(f"the worker(s) {', '.join(stale)} ran other code than this stage started with (gat/ or "
-             "stages/_seeds.py differ, or were edited during the run): rerun it; Dask workers must run this "
+             "gat/seeds.py differ, or were edited during the run): rerun it; Dask workers must run this "
              "checkout, with the same pinned requirements (see the README's multi-host section).")
 
 
@@ -131,8 +137,9 @@ def run() -> None:
     with _starting_pool(settings.executor, settings.workers, device) as pool_when_ready, \
             stage_run(REPRODUCE_EXPERIMENT, f"{args.dataset}-{len(seeds)}-seeds", parent_tags) as parent:
         mlflow.log_params(logged)
-        # Local workers die with the stage and are killed at once on SIGTERM, Ctrl-C or an error (stages._workers);
-        # Dask tasks are cancelled then, and stop within an epoch (stages._dask). Inside the run: a scheduler
+        # Local workers die with the stage and are killed at once on SIGTERM, Ctrl-C or an error
+        # (stages.support.local_pool); Dask tasks are cancelled then, and stop within an epoch
+        # (stages.support.dask_pool). Inside the run: a scheduler
         # that can't be reached, or a cluster that fails to start, ends it FAILED.
         with pool_when_ready() as pool, \
                 tqdm(total=len(seeds), desc=f"reproduce {args.dataset}", unit="seed", disable=None) as bar:

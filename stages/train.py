@@ -20,13 +20,13 @@ from tqdm import tqdm
 from gat.config import ModelConfig, flatten, training_memory_bytes
 from gat.model import NodeClassifier, model_state
 from gat.training import EpochMetrics, GraphTensors, train
-from stages._common import (ArgumentParser, device_for, fail, load_params, load_prepared, main, outputs_together,
-                            write_atomic, write_csv, write_json)
-from stages._fetch import redact
-from stages._figures import curves_figure
-from stages._tracking import (NOTE, TRAIN_EXPERIMENT, EpochLogger, describe_run, log_dataset, model_name, stage_run,
-                              standard_tags)
-
+from stages.support.fetch import redact
+from stages.support.figures import curves_figure
+from stages.support.files import load_prepared, outputs_together, write_atomic, write_csv, write_json
+from stages.support.interrupts import main
+from stages.support.params import ArgumentParser, device_for, fail, load_params
+from stages.support.store import NOTE, TRAIN_EXPERIMENT, model_name
+from stages.support.tracking import EpochLogger, describe_run, log_dataset, stage_run, standard_tags
 
 GIB = 2**30
 

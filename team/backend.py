@@ -624,7 +624,7 @@ def pipeline_names(repo: Path) -> tuple[list[str], list[str]]:
     """The experiments and registered models the pipeline creates: every dataset of params.yaml's `datasets`."""
     import yaml
 
-    from stages._tracking import DESCRIPTIONS, model_name
+    from stages.support.store import DESCRIPTIONS, model_name
 
     try:
         datasets = yaml.safe_load((repo / "params.yaml").read_text()).get("datasets") or []
@@ -662,7 +662,7 @@ def _warn_foreign_names(settings: Settings, experiments: list[str], models: list
     refuse it, and the admin deletes it or revokes that user's MANAGE permission."""
     import requests
 
-    from stages._tracking import foreign_managers
+    from stages.support.store import foreign_managers
 
     api, auth = f"{settings.tracking_uri}/api/2.0/mlflow", (ADMIN_USER, settings.admin_password)
     resources = [("registered model", "registered_model", name, name) for name in models]

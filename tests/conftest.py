@@ -4,9 +4,9 @@ For other test modules:
 
 - `planetoid_folder` (session): a `PlanetoidFolder(path, real, checksums)`. The real files
   from `../shared/datasets/planetoid` when present, else synthetic cora and citeseer files
-  in the same format. Synthetic files do not match `stages/checksums/planetoid.sha256`, so
+  in the same format. Synthetic files do not match `gat/planetoid.sha256`, so
   code that verifies against the pinned list needs `planetoid_folder.real` (or a patched
-  `stages._fetch.CHECKSUMS`).
+  `stages.support.fetch.CHECKSUMS`).
 - `serve_folder` (function): a factory `serve_folder(folder, faults=None) -> LoopbackServer`
   that serves `folder` on 127.0.0.1 until the test ends. `faults` maps a file name to the
   behaviours of its next requests, one per request (`"503"`, `"404"`, `"truncate"`: a
@@ -158,7 +158,7 @@ def write_synthetic_planetoid(folder: Path, dataset: str, *, num_classes: int = 
 
 @pytest.fixture(scope="session", autouse=True)
 def one_thread() -> Iterator[None]:
-    """One intra-op thread, as the stages use (stages._common.main): the tests' tensors are tiny, and a
+    """One intra-op thread, as the stages use (stages.support.interrupts.main): the tests' tensors are tiny, and a
     second OpenMP thread only adds overhead, a lot of it on a busy 2-core machine."""
     import torch
 
@@ -179,7 +179,7 @@ class PlanetoidFolder:
 
 @pytest.fixture(scope="session")
 def planetoid_folder(tmp_path_factory: pytest.TempPathFactory) -> PlanetoidFolder:
-    from stages._fetch import read_checksums
+    from stages.support.fetch import read_checksums
 
     if (SHARED_PLANETOID / "SHA256SUMS").is_file():
         return PlanetoidFolder(SHARED_PLANETOID, True, read_checksums(path=SHARED_PLANETOID / "SHA256SUMS"))
@@ -312,7 +312,7 @@ def run_stage_in_process(monkeypatch: pytest.MonkeyPatch, module: str, run: Call
     import signal
     import sys
 
-    from stages._common import main
+    from stages.support.interrupts import main
 
     monkeypatch.setattr(sys, "argv", [module, *args])
     previous = signal.getsignal(signal.SIGTERM)
@@ -328,7 +328,6 @@ def run_stage_in_process(monkeypatch: pytest.MonkeyPatch, module: str, run: Call
 # The end-to-end fixtures live in their own module; importing them here makes them visible to every test file.
 from pipeline_support import pipeline, pipeline_copy, planetoid_server  # noqa: E402,F401
 from team_support import seaweedfs_stopped, team_backend, team_pipeline  # noqa: E402,F401
-
 
 # The tiers (`make test`: none of these; `make test-all`: everything), by what a test needs to run. A marker follows
 # from a test's fixtures, so a new test that needs the pipeline or a server is marked without anyone remembering to.

@@ -23,9 +23,9 @@ from typing import Iterator
 
 import pytest
 import yaml
+from conftest import PlanetoidFolder, serving
 from mlflow.tracking import MlflowClient
 
-from conftest import PlanetoidFolder, serving
 from gat.config import Params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ def copy_project(root: Path, planetoid_folder: PlanetoidFolder) -> None:
     (root / "dvc.lock").unlink(missing_ok=True)
     if not planetoid_folder.real:
         # The pinned checksums are the real files'; synthetic data gets its own pinned list.
-        shutil.copy(planetoid_folder.path / "SHA256SUMS", root / "stages/checksums/planetoid.sha256")
+        shutil.copy(planetoid_folder.path / "SHA256SUMS", root / "gat/planetoid.sha256")
 
 
 def clean_env() -> dict[str, str]:

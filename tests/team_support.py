@@ -21,9 +21,9 @@ from typing import Iterator
 
 import psutil
 import pytest
-
 from pipeline_support import REPO, TINY, VENV_BIN, Pipeline, clean_env, copy_project
-from stages._tracking import REPRODUCE_EXPERIMENT
+
+from stages.support.store import REPRODUCE_EXPERIMENT
 from team.backend import Settings, State, running, s3_client
 
 
@@ -130,7 +130,7 @@ def team_pipeline(tmp_path_factory: pytest.TempPathFactory, planetoid_folder, pl
     pipeline.run("git", "init", "-q", "-b", "main")
     pipeline.commit("copy of the project under test")
     # `make repro`'s two commands, with `.team/env` sourced.
-    pipeline.python("-m", "stages.init_store")
+    pipeline.python("-m", "tools.init_store")
     pipeline.first = pipeline.dvc("repro")
     pipeline.commit("first repro")
     # The reproduce runs it made (tests that run later add their own).

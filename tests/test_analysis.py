@@ -12,14 +12,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pipeline_support import Pipeline
 
-from gat.analysis import (_neighbour_graph, attention_entropy, neighbourhood, pairwise_distances, pca_init,
-                          pick_examples, portable_inspect, silhouette, tsne, two_hop_sizes, uniform_entropy)
+from gat.analysis import (
+    _neighbour_graph,
+    attention_entropy,
+    neighbourhood,
+    pairwise_distances,
+    pca_init,
+    pick_examples,
+    portable_inspect,
+    silhouette,
+    tsne,
+    two_hop_sizes,
+    uniform_entropy,
+)
 from gat.config import ModelConfig
 from gat.graph import Neighbourhoods, SparseFeatures
 from gat.model import GAT
-from pipeline_support import Pipeline
-from stages._tracking import TRAIN_EXPERIMENT
+from stages.support.store import TRAIN_EXPERIMENT
 
 N, F_IN, C = 30, 10, 3
 CONFIG = ModelConfig(hidden_features=4, heads=3, output_heads=2, dropout=0.6, leaky_relu_negative_slope=0.2)
@@ -197,7 +208,7 @@ def test_the_analysis_is_the_same_bytes_under_scalar_and_vector_kernels() -> Non
 # Pictures --------------------------------------------------------------------------------------------------------
 
 def _pictures(graph, attention) -> dict[str, bytes]:
-    from stages._figures import entropy_figure, neighbourhood_figure, png_bytes
+    from stages.support.figures import entropy_figure, neighbourhood_figure, png_bytes
 
     _x, neighbourhoods = graph
     entropy = [attention_entropy(alpha[:, 0], neighbourhoods).numpy() for alpha in attention]

@@ -18,12 +18,12 @@ from typing import Callable
 import mlflow
 import pytest
 import torch
-
 from conftest import SYNTHETIC_LAYOUTS, run_stage_in_process, write_synthetic_planetoid
+
 from gat.data import file_names, graph_to_tensors, parse_planetoid
 from gat.model import GAT, model_state
 from stages import analyze, evaluate, train
-from stages._common import load_params
+from stages.support.params import load_params
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = {"train": train.run, "evaluate": evaluate.run, "analyze": analyze.run}
@@ -175,7 +175,7 @@ def test_a_damaged_input_is_one_line_and_exit_2(workdir: Path, monkeypatch: pyte
 
 def test_the_intact_files_load(workdir: Path) -> None:
     """The control: the same files, undamaged, pass every check above."""
-    from stages._common import RUN_JSON, load_json, load_model, load_prepared
+    from stages.support.files import RUN_JSON, load_json, load_model, load_prepared
 
     graph, meta = load_prepared("data/prepared/cora", "cora")
     state, model = load_model("data/train")
@@ -351,7 +351,7 @@ def test_compare_checks_the_store_first_and_never_shows_its_password(workdir: Pa
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "stages.compare", "--no-log"], cwd=workdir, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "tools.compare", "--no-log"], cwd=workdir, capture_output=True,
                           text=True, env={**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO)},
                           timeout=120)
     assert done.returncode == 2, done.stderr

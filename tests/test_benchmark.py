@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SYNTHETIC_LAYOUTS, write_synthetic_planetoid
 
 from benchmarks import engine as bench
-from conftest import SYNTHETIC_LAYOUTS, write_synthetic_planetoid
 from gat.data import Graph
-from stages._common import StageError, write_json
+from stages.support.files import write_json
+from stages.support.params import StageError
 
 DENSE_NODES = 150  # enough for the synthetic graph's 140 training nodes and a few validation ones
 

@@ -1,4 +1,5 @@
-"""stages._common: params.yaml read strictly, every problem one line; outputs written atomically, together."""
+"""stages.support (params, files, interrupts): params.yaml read strictly, every problem one line; outputs written
+atomically, together."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gat.config import Params, ParamsError
-from stages._common import StageError, load_params
+from stages.support.params import StageError, load_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,7 +66,8 @@ def test_a_stop_during_the_output_writes_waits_until_all_are_written(tmp_path: P
     script.write_text(
         "import os, signal, sys, threading, time\n"
         "from pathlib import Path\n"
-        "from stages._common import main, outputs_together, write_json\n"
+        "from stages.support.files import outputs_together, write_json\n"
+        "from stages.support.interrupts import main\n"
         "out = Path(sys.argv[1])\n"
         "def run():\n"
         "    # another thread, as MLflow and tqdm start: the kernel may hand it the signal\n"
@@ -86,7 +88,7 @@ def test_a_stop_during_the_output_writes_waits_until_all_are_written(tmp_path: P
 
 def test_outputs_written_together_are_all_new_or_none(tmp_path: Path) -> None:
     """A failure after some outputs are written leaves none of them, and no temporary file."""
-    from stages._common import outputs_together, write_atomic, write_json
+    from stages.support.files import outputs_together, write_atomic, write_json
 
     (tmp_path / "a.json").write_text("old")
     with pytest.raises(RuntimeError):
@@ -109,7 +111,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path: Path,
     import errno
     import tempfile
 
-    import stages._common as common
+    import stages.support.files as common
 
     real = tempfile.NamedTemporaryFile
 
@@ -131,7 +133,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path: Path,
 
 def test_a_float_without_a_dot_reads_as_dvc_reads_it(tmp_path: Path) -> None:
     """`lr: 5e-3` is a number to DVC (YAML 1.2); PyYAML alone would read the string '5e-3' and refuse it."""
-    from stages._common import parse_params_yaml
+    from stages.support.params import parse_params_yaml
 
     assert parse_params_yaml("lr: 5e-3\nbig: 1E9\nepochs: 5\nname: e5") == {"lr": 0.005, "big": 1e9, "epochs": 5,
                                                                            "name": "e5"}

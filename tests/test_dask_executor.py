@@ -34,9 +34,9 @@ from typing import Any, Callable, Iterator
 import distributed
 import psutil
 import pytest
-
 from pipeline_support import REPO, TINY, VENV_BIN, Pipeline, clean_env
-from stages._tracking import COMPARE_EXPERIMENT, REPRODUCE_EXPERIMENT
+
+from stages.support.store import COMPARE_EXPERIMENT, REPRODUCE_EXPERIMENT
 
 START_S = 120.0  # how long a scheduler, a worker or a stage may take to start on a busy 2-core machine
 STAGE_S = 300.0  # how long a tiny stage may take, start to end
@@ -152,7 +152,7 @@ def _cluster(folder: Path, checkout: Path, workers: tuple[str, ...]) -> Iterator
 
 @pytest.fixture(scope="module")
 def dask_cluster(pipeline: Pipeline, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaskCluster]:
-    # The workers import the task (stages._seeds) from the checkout the stages run from, as the README's
+    # The workers import the task (stages.support.seed_task) from the checkout the stages run from, as the README's
     # multi-host recipe says: the session pipeline's copy, which every copy of it shares.
     with _cluster(tmp_path_factory.mktemp("dask"), pipeline.root, ("worker-a", "worker-b")) as cluster:
         yield cluster
@@ -279,7 +279,7 @@ def test_the_local_cluster_settings_yield_to_the_users() -> None:
     """Where the user set one of LOCAL_CLUSTER_CONFIG's keys, the stage's LocalCluster keeps the user's value."""
     import dask
 
-    from stages._dask import LOCAL_CLUSTER_CONFIG, local_cluster_config
+    from stages.support.dask_pool import LOCAL_CLUSTER_CONFIG, local_cluster_config
 
     assert local_cluster_config() == LOCAL_CLUSTER_CONFIG  # Dask's defaults here: the stage's values apply
     with dask.config.set({"distributed.admin.tick.interval": "50ms", "distributed.worker.profile.enabled": False}):
@@ -293,7 +293,7 @@ def test_a_local_cluster_starts_in_the_background_and_never_outlives_the_block(m
     still closes the cluster started for it, and a normal end too, leaving no process behind."""
     import dask
 
-    from stages._dask import starting_dask_pool
+    from stages.support.dask_pool import starting_dask_pool
 
     monkeypatch.setenv("GAT_DASK_DASHBOARD", "off")
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
@@ -454,7 +454,7 @@ def test_a_scheduler_killed_mid_run_is_a_one_line_error(copy: Pipeline, doomed_c
 def test_a_run_whose_workers_all_died_is_a_one_line_error(copy: Pipeline, doomed_cluster: DaskCluster,
                                                           tmp_path: Path) -> None:
     """Dask would wait for a worker forever: the stage gives up after WORKERS_S without one."""
-    from stages._dask import WORKERS_S
+    from stages.support.dask_pool import WORKERS_S
 
     def kill_workers() -> None:
         for popen in doomed_cluster.processes[1:]:
@@ -680,8 +680,8 @@ def test_workers_that_cannot_run_the_task_are_one_line_errors(copy: Pipeline, tm
     a worker whose fused kernel is off (it would train with the torch kernel). Each is a one-line error naming the
     worker, exit 2, the MLflow run FAILED, nothing written. A scheduler that cannot read a task (here: one sent
     as the project's own objects, not as bytes) is one too."""
-    from stages._common import StageError
-    from stages._dask import DaskPool
+    from stages.support.dask_pool import DaskPool
+    from stages.support.params import StageError
 
     _reset(copy, **{"reproduce.executor": "dask"})
     sweep = next(block for block in _readme_dask_blocks() if any("dask scheduler" in line for line in block))
@@ -712,7 +712,7 @@ def test_workers_that_cannot_run_the_task_are_one_line_errors(copy: Pipeline, tm
     # The scheduler unpickles what it is sent: the project's objects, not bytes, it cannot read.
     with pytest.MonkeyPatch.context() as patch, \
             distributed.Client(shell.address, timeout=START_S, set_as_default=False) as client:
-        patch.setattr("stages._dask._pickled", lambda value: value)
+        patch.setattr("stages.support.dask_pool._pickled", lambda value: value)
         pool = DaskPool(client, None, shell.address)
         with pytest.raises(StageError, match=f"the Dask scheduler at {shell.address} cannot read the stage's "
                                              r"tasks \(ModuleNotFoundError: No module named 'stages'\)"):

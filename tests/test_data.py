@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import SYNTHETIC_LAYOUTS, PlanetoidFolder, SyntheticPlanetoid, write_synthetic_planetoid
+
 from gat import data
 from gat.data import Graph, describe, file_names, graph_from_tensors, graph_to_tensors, parse_planetoid, random_split
 

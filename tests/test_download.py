@@ -10,11 +10,12 @@ from pathlib import Path
 
 import mlflow
 import pytest
-
 from conftest import LoopbackServer, PlanetoidFolder, run_stage_in_process
-from stages import _fetch, download
-from stages._common import StageError, load_params
-from stages._tracking import DATA_EXPERIMENT, connect
+
+from stages import download
+from stages.support import fetch
+from stages.support.params import StageError, load_params
+from stages.support.store import DATA_EXPERIMENT, connect
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,8 +26,8 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planetoid_folder: P
     shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    monkeypatch.setattr(_fetch, "CHECKSUMS", planetoid_folder.path / "SHA256SUMS")
-    monkeypatch.setattr(_fetch, "BACKOFF_S", 0.0)
+    monkeypatch.setattr(fetch, "CHECKSUMS", planetoid_folder.path / "SHA256SUMS")
+    monkeypatch.setattr(fetch, "BACKOFF_S", 0.0)
     return tmp_path
 
 

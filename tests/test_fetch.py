@@ -1,4 +1,4 @@
-"""stages._fetch: downloads from a loopback server and a local mirror, retries, checksums."""
+"""stages.support.fetch: downloads from a loopback server and a local mirror, retries, checksums."""
 
 from __future__ import annotations
 
@@ -8,23 +8,24 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-
 from conftest import LoopbackServer, PlanetoidFolder
+
 from gat.data import file_names
-from stages import _fetch
-from stages._common import StageError, atomic_dir
+from stages.support import fetch
+from stages.support.files import atomic_dir
+from stages.support.params import StageError
 
 NAMES = file_names("cora")
 
 
 @pytest.fixture(autouse=True)
 def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_fetch, "BACKOFF_S", 0.0)
+    monkeypatch.setattr(fetch, "BACKOFF_S", 0.0)
 
 
 def _fetch_into(out: Path, source: str | Path, expected: dict[str, str], retries: int = 2) -> dict[str, int]:
     with atomic_dir(out) as staging:
-        return _fetch.fetch(expected, source, staging, timeout_s=5, retries=retries)
+        return fetch.fetch(expected, source, staging, timeout_s=5, retries=retries)
 
 
 def _expected(planetoid_folder: PlanetoidFolder) -> dict[str, str]:
@@ -36,7 +37,7 @@ def test_good_download_is_verified(planetoid_folder: PlanetoidFolder, planetoid_
     sizes = _fetch_into(out, planetoid_url, _expected(planetoid_folder))
     assert sorted(path.name for path in out.iterdir()) == sorted(NAMES)
     assert sizes == {name: (planetoid_folder.path / name).stat().st_size for name in NAMES}
-    assert {name: _fetch.sha256_file(out / name) for name in NAMES} == _expected(planetoid_folder)
+    assert {name: fetch.sha256_file(out / name) for name in NAMES} == _expected(planetoid_folder)
 
 
 def test_wrong_checksum_fails_and_leaves_nothing(planetoid_folder: PlanetoidFolder, planetoid_url: str,
@@ -82,7 +83,7 @@ def test_503_then_200_succeeds(planetoid_folder: PlanetoidFolder, serve_folder: 
     server = serve_folder(planetoid_folder.path, faults={"ind.cora.x": ["503", "503"]})
     _fetch_into(tmp_path / "cora", server.base_url, _expected(planetoid_folder), retries=2)
     assert server.requests.count("ind.cora.x") == 3
-    assert _fetch.sha256_file(tmp_path / "cora" / "ind.cora.x") == planetoid_folder.checksums["ind.cora.x"]
+    assert fetch.sha256_file(tmp_path / "cora" / "ind.cora.x") == planetoid_folder.checksums["ind.cora.x"]
 
 
 def test_404_fails_at_once_naming_the_url(planetoid_folder: PlanetoidFolder,
@@ -110,26 +111,26 @@ def test_local_folder_mirror(planetoid_folder: PlanetoidFolder, monkeypatch: pyt
               "relative": "mirror"}[form]
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))  # what repo_root() returns, for the relative form
     (tmp_path / "mirror").symlink_to(planetoid_folder.path)
-    monkeypatch.setenv(_fetch.MIRROR_ENV, mirror)
-    source = _fetch.resolve_source("https://example.invalid/data")
+    monkeypatch.setenv(fetch.MIRROR_ENV, mirror)
+    source = fetch.resolve_source("https://example.invalid/data")
     assert source == (tmp_path / "mirror" if form == "relative" else planetoid_folder.path)
     sizes = _fetch_into(tmp_path / "cora", source, _expected(planetoid_folder))
     assert sum(sizes.values()) == sum((planetoid_folder.path / name).stat().st_size for name in NAMES)
 
 
 def test_mirror_url_and_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(_fetch.MIRROR_ENV, raising=False)
-    assert _fetch.resolve_source("https://host/data/") == "https://host/data"
-    monkeypatch.setenv(_fetch.MIRROR_ENV, "http://127.0.0.1:9/planetoid/")
-    assert _fetch.resolve_source("https://host/data") == "http://127.0.0.1:9/planetoid"
+    monkeypatch.delenv(fetch.MIRROR_ENV, raising=False)
+    assert fetch.resolve_source("https://host/data/") == "https://host/data"
+    monkeypatch.setenv(fetch.MIRROR_ENV, "http://127.0.0.1:9/planetoid/")
+    assert fetch.resolve_source("https://host/data") == "http://127.0.0.1:9/planetoid"
 
 
 @pytest.mark.parametrize("mirror, message", [("/no/such/folder", "is not a folder"),
                                              ("ftp://host/data", "only http\\(s\\) URLs and local folders")])
 def test_bad_mirror_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, mirror: str, message: str) -> None:
-    monkeypatch.setenv(_fetch.MIRROR_ENV, mirror)
+    monkeypatch.setenv(fetch.MIRROR_ENV, mirror)
     with pytest.raises(StageError, match=message):
-        _fetch.resolve_source("https://host/data")
+        fetch.resolve_source("https://host/data")
 
 
 def test_mirror_folder_missing_a_file(planetoid_folder: PlanetoidFolder, tmp_path: Path) -> None:
@@ -138,25 +139,25 @@ def test_mirror_folder_missing_a_file(planetoid_folder: PlanetoidFolder, tmp_pat
 
 
 def test_pinned_checksums_cover_both_datasets() -> None:
-    pinned = _fetch.read_checksums(file_names("cora") + file_names("citeseer"))
+    pinned = fetch.read_checksums(file_names("cora") + file_names("citeseer"))
     assert len(pinned) == 16 and all(len(digest) == 64 for digest in pinned.values())
     with pytest.raises(StageError, match="ind.pubmed.x.*not pinned"):
-        _fetch.read_checksums(["ind.pubmed.x"])
+        fetch.read_checksums(["ind.pubmed.x"])
 
 
 def test_pinned_checksums_match_the_real_files(planetoid_folder: PlanetoidFolder) -> None:
     if not planetoid_folder.real:
         pytest.skip("the real Planetoid files (../shared/datasets/planetoid) are not here")
-    assert _fetch.read_checksums() == planetoid_folder.checksums
+    assert fetch.read_checksums() == planetoid_folder.checksums
 
 
 def test_read_verified_refuses_a_changed_file(planetoid_folder: PlanetoidFolder, tmp_path: Path) -> None:
     expected = _expected(planetoid_folder)
     _fetch_into(tmp_path / "cora", planetoid_folder.path, expected)
-    assert _fetch.read_verified(tmp_path / "cora", expected, "download@cora").keys() == expected.keys()
+    assert fetch.read_verified(tmp_path / "cora", expected, "download@cora").keys() == expected.keys()
     (tmp_path / "cora" / "ind.cora.x").write_bytes(b"tampered")
     with pytest.raises(StageError, match=r"ind\.cora\.x: SHA-256 .* `dvc repro --force download@cora`"):
-        _fetch.read_verified(tmp_path / "cora", expected, "download@cora")
+        fetch.read_verified(tmp_path / "cora", expected, "download@cora")
 
 
 @pytest.mark.parametrize("url, shown", [
@@ -166,7 +167,7 @@ def test_read_verified_refuses_a_changed_file(planetoid_folder: PlanetoidFolder,
     ("/srv/planetoid@2016", "/srv/planetoid@2016"),
 ])
 def test_redact_hides_the_userinfo_secret(url: str, shown: str) -> None:
-    assert _fetch.redact(url) == shown
+    assert fetch.redact(url) == shown
 
 
 def _with_password(base_url: str) -> str:
@@ -186,7 +187,7 @@ def test_a_mirror_password_is_sent_but_never_shown(
     server = serve_folder(planetoid_folder.path, faults=faults)
     with pytest.raises(StageError) as error:
         with atomic_dir(tmp_path / "cora") as staging:
-            _fetch.fetch(_expected(planetoid_folder) | (expected or {}), _with_password(server.base_url), staging,
+            fetch.fetch(_expected(planetoid_folder) | (expected or {}), _with_password(server.base_url), staging,
                          timeout_s=0.5, retries=2)
     message = str(error.value)
     assert "s3cr" not in message and "mirror-user:***@127.0.0.1" in message
@@ -213,7 +214,7 @@ def test_a_dripping_server_fails_at_once_leaving_nothing(
     message = r"downloading http://127\.0\.0\.1:\d+/data/ind\.cora\.x too slowly: " + TOO_SLOW[fault]
     with pytest.raises(StageError, match=message):
         with atomic_dir(tmp_path / "cora") as staging:
-            _fetch.fetch(_expected(planetoid_folder), server.base_url, staging, timeout_s=0.3, retries=2)
+            fetch.fetch(_expected(planetoid_folder), server.base_url, staging, timeout_s=0.3, retries=2)
     assert server.requests.count("ind.cora.x") == 1
     assert list(tmp_path.iterdir()) == []
 

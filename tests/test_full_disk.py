@@ -19,9 +19,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from pipeline_support import VENV_BIN, Pipeline
-from stages._tracking import TRAIN_EXPERIMENT
+
+from stages.support.store import TRAIN_EXPERIMENT
 
 # Long enough training that the database fills while it runs; the stage is stopped by the full disk.
 ENDLESS = {"train.optim.max_epochs": 100000, "train.optim.patience": 100000}
@@ -92,7 +92,7 @@ def test_a_full_artifact_folder(pipeline_copy: Pipeline, tmp_path: Path) -> None
     """A store of its own, so that its artifact folder (mlartifacts, beside the database) is the full one."""
     store = tmp_path / "store"
     env = {**pipeline_copy.env, "MLFLOW_TRACKING_URI": f"sqlite:///{store / 'mlflow.db'}"}
-    subprocess.run([str(VENV_BIN / "python"), "-m", "stages.init_store"], cwd=pipeline_copy.root, env=env,
+    subprocess.run([str(VENV_BIN / "python"), "-m", "tools.init_store"], cwd=pipeline_copy.root, env=env,
                    check=True, capture_output=True)
     shutil.rmtree(pipeline_copy.root / "data/train")
     done, _ = _train_on_full(pipeline_copy, store / "mlartifacts", "8k", env=env)
@@ -116,7 +116,7 @@ def test_a_full_database_folder(pipeline_copy: Pipeline, tmp_path: Path) -> None
                f"{shlex.quote(str(store / 'mlflow.db'))}")
     done, left = _train_on_full(
         pipeline_copy, store, "16M",
-        before=f"{python} -m stages.init_store > /dev/null || exit 98",
+        before=f"{python} -m tools.init_store > /dev/null || exit 98",
         # Once the run is RUNNING (bounded: 120 s), a few epochs later, the rest of the tmpfs is filled.
         during=(f"for i in $(seq 600); do {running} 2> /dev/null && break; sleep 0.2; done; sleep 2; "
                 f"dd if=/dev/zero of={shlex.quote(str(store / 'filler'))} bs=64k 2> /dev/null"),
@@ -133,8 +133,9 @@ def test_a_full_database_folder(pipeline_copy: Pipeline, tmp_path: Path) -> None
     # Marking the run FAILED rewrites its row in place, which SQLite can often do on a full disk; when it can't,
     # the run stays RUNNING, and the next stage that opens the experiment ends it KILLED.
     assert run.info.status in {"FAILED", "RUNNING"}
-    opened = subprocess.run([str(VENV_BIN / "python"), "-c", "from stages._tracking import connect, TRAIN_EXPERIMENT; "
-                             "connect(TRAIN_EXPERIMENT)"], cwd=pipeline_copy.root, env=env, capture_output=True,
+    opened = subprocess.run([str(VENV_BIN / "python"), "-c",
+                             "from stages.support.store import connect, TRAIN_EXPERIMENT; connect(TRAIN_EXPERIMENT)"],
+                            cwd=pipeline_copy.root, env=env, capture_output=True,
                             text=True, timeout=STAGE_S)
     assert opened.returncode == 0, opened.stderr
     assert ("as KILLED" in opened.stderr) == (run.info.status == "RUNNING"), opened.stderr

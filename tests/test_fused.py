@@ -12,16 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_training import assert_same_replica  # one definition of "the same run, bit for bit"
 
 from gat import fused
 from gat.config import ModelConfig, OptimConfig
 from gat.data import Graph, file_names, parse_planetoid
-from gat.fused_check import (CASES, PAPER, check_double_precision, check_step, check_validation, checks,
-                              random_graph)
 from gat.dropout import ReplicaDropout
+from gat.fused_check import CASES, PAPER, check_double_precision, check_step, check_validation, checks, random_graph
 from gat.model import GAT
 from gat.training import GraphTensors, NodeView, train, train_step
-from test_training import assert_same_replica  # one definition of "the same run, bit for bit"
 
 REPO = Path(__file__).resolve().parents[1]
 

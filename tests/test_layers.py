@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.dense_reference import GraphAttentionLayer as DenseLayer
-from benchmarks.dense_reference import adjacency, copy_into, dense_attention
+from gat.dense_reference import GraphAttentionLayer as DenseLayer
+from gat.dense_reference import adjacency, copy_into, dense_attention
 from gat.dropout import ReplicaDropout
 from gat.graph import Neighbourhoods, SparseFeatures, receptive_field
 from gat.layers import GraphAttentionLayer, segment_softmax

@@ -1,7 +1,7 @@
 """Interrupts and dead parents: a stage stops within seconds, leaves no process behind, no MLflow run
 RUNNING and no output.
 
-The first tests drive small scripts that use stages._common.main and stages._workers.worker_pool
+The first tests drive small scripts that use stages.support.interrupts.main and stages.support.local_pool.worker_pool
 directly (seconds each); the last ones interrupt the real stages in a private copy of the pipeline
 (tests/pipeline_support.py). Every wait is a poll with a deadline; every process a test starts is
 killed in a `finally`, whatever happened.
@@ -19,12 +19,12 @@ from typing import Callable, Iterable
 
 import psutil
 import pytest
-
 from pipeline_support import VENV_BIN, Pipeline
-from stages._tracking import REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT
+
+from stages.support.store import REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT
 
 REPO = Path(__file__).resolve().parents[1]
-# What a started worker calls itself (stages._workers.WORKER_NAME; not imported, so that this module loads
+# What a started worker calls itself (stages.support.local_pool.WORKER_NAME; not imported, so that this module loads
 # without it).
 WORKER_NAME = "gat-worker"
 # How long an interrupted stage may take to exit: its handlers act within a second, then the MLflow run
@@ -39,8 +39,8 @@ START_S = 120.0
 # print "started <pid>" when they start and fail on a negative number; the results print in order.
 POOL_STAGE = '''
 import os, sys, time
-from stages._common import main
-from stages._workers import worker_pool
+from stages.support.interrupts import main
+from stages.support.local_pool import worker_pool
 
 def job(seconds):
     print(f"started {os.getpid()}", flush=True)
@@ -64,7 +64,7 @@ if __name__ == "__main__":
 DEAD_HANDOVER_STAGE = '''
 import os, socket, sys, time
 from multiprocessing import resource_sharer
-from stages._workers import worker_pool
+from stages.support.local_pool import worker_pool
 
 try:
     with worker_pool(1):
@@ -84,7 +84,8 @@ print("done", flush=True)
 # A stand-in for a stage that works forever inside an atomic output folder.
 ENDLESS_STAGE = '''
 import sys, time
-from stages._common import atomic_dir, main
+from stages.support.files import atomic_dir
+from stages.support.interrupts import main
 
 def run():
     with atomic_dir(sys.argv[1]) as staging:
@@ -104,7 +105,7 @@ if __name__ == "__main__":
 FINALIZING_STAGE = '''
 import os, signal, time
 from pathlib import Path
-from stages._common import main
+from stages.support.interrupts import main
 
 class Finalized:
     def __del__(self):
@@ -128,7 +129,7 @@ if __name__ == "__main__":
 # modules take about 2 s of CPU to tear down, 10 s and more on a busy machine).
 ENDLESS_SHUTDOWN_STAGE = '''
 import threading, time
-from stages._common import main
+from stages.support.interrupts import main
 
 def run():
     threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from pipeline_support import DATASETS, TINY, VENV_BIN, Pipeline, ran
 
 from gat.config import flatten
-from pipeline_support import DATASETS, TINY, VENV_BIN, Pipeline, ran
-from stages._tracking import DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT, data_digest
+from stages.support.store import DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT
+from stages.support.tracking import data_digest
 
 STAGES = [f"{stage}@{name}" for stage in ("download", "preprocess", "reproduce") for name in DATASETS] + [
     "train", "evaluate", "analyze", "report"]
@@ -114,7 +115,7 @@ def test_experiments_open_in_model_training_mode_with_descriptions(pipeline: Pip
 def test_confusion_matrix_and_curves_are_pictures(pipeline: Pipeline, tmp_path: Path) -> None:
     import matplotlib.image
 
-    from stages._figures import class_names
+    from stages.support.figures import class_names
 
     (row,) = pipeline.runs(TRAIN_EXPERIMENT)
     for name in ("confusion_matrix.png", "training_curves.png"):
@@ -146,7 +147,7 @@ def test_logged_model_loads_from_anywhere_and_gives_the_pipeline_predictions(pip
 def test_the_best_configuration_is_the_registered_champion(pipeline_copy: Pipeline) -> None:
     import mlflow
 
-    from stages._tracking import promote_if_champion
+    from stages.support.champion import promote_if_champion
 
     (row,) = pipeline_copy.runs(TRAIN_EXPERIMENT)
     champion = pipeline_copy.client.get_model_version_by_alias("gat-cora", "champion")

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from pipeline_support import Pipeline, ran
 
 # The identity of the MLflow run a training wrote: new on every run, whatever the CPU.

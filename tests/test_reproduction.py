@@ -94,7 +94,7 @@ def test_histogram_counts_every_seed_once_and_closes_the_last_bin() -> None:
 def test_histogram_figure_draws_the_csv_bins_as_they_are() -> None:
     """The MLflow picture is drawn from histogram.csv's rows, not binned again: one bar per row, its height
     the row's count, its edges the row's."""
-    from stages._report import histogram_bins, histogram_figure
+    from stages.support.tables import histogram_bins, histogram_figure
 
     accuracies = [c / 1000 for c in (825, 829, 830, 830, 834, 835, 841)]
     bins = histogram_bins(histogram(correct_answers(accuracies, 1000), 1000))

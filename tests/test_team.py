@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from pipeline_support import REPO, VENV_BIN, Pipeline, clean_env, ran
-from stages._tracking import DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT
-from team.backend import ARTIFACTS_BUCKET, DVC_BUCKET, choose_ports
 from team_support import TeamBackend, server_runs, with_team_remote
+
+from stages.support.store import DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT
+from team.backend import ARTIFACTS_BUCKET, DVC_BUCKET, choose_ports
 
 QUEUE_TIMEOUT_S = 900
 

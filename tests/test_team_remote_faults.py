@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Iterator
 
 import psutil
-
 from pipeline_support import VENV_BIN, Pipeline, clean_env
-from team.backend import DVC_REMOTE_NAME, DVC_REMOTE_TIMEOUTS
 from team_support import TeamBackend, with_team_remote
+
+from team.backend import DVC_REMOTE_NAME, DVC_REMOTE_TIMEOUTS
 
 # How long a push or pull against the frozen store may take: measured ~100 s with DVC_REMOTE_TIMEOUTS (both
 # were still running, silent, after 200 s without them).

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import requests
 import urllib3
-
 from pipeline_support import REPO, VENV_BIN, clean_env
-from stages._tracking import COMPARE_EXPERIMENT, TRAIN_EXPERIMENT
-from team.backend import ARTIFACTS_BUCKET, DVC_BUCKET, pipeline_names
 from team_support import TeamBackend
+
+from stages.support.store import COMPARE_EXPERIMENT, TRAIN_EXPERIMENT
+from team.backend import ARTIFACTS_BUCKET, DVC_BUCKET, pipeline_names
 
 urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
 
@@ -246,9 +246,9 @@ def test_evaluate_refuses_a_champion_another_user_made(team_backend: TeamBackend
                 "experiment": ("experiment squatter2-playground", "managed by user 'squatter2'")}
     for what, call in refusals.items():
         check = ("from mlflow.tracking import MlflowClient\n"
-                 "from stages._common import main\n"
-                 "from stages._tracking import (_refuse_a_foreign_champion, promote_if_champion, "
-                 "refuse_a_foreign_name, use_store)\n"
+                 "from stages.support.interrupts import main\n"
+                 "from stages.support.champion import _refuse_a_foreign_champion, promote_if_champion\n"
+                 "from stages.support.store import refuse_a_foreign_name, use_store\n"
                  f"main(lambda: (use_store(), {call}))\n")
         done = subprocess.run([str(VENV_BIN / "python"), "-c", check], cwd=REPO,
                               env=clean_env() | team_backend.mlflow_env, capture_output=True, text=True, timeout=180)
@@ -289,7 +289,7 @@ def test_a_password_in_the_tracking_uri_is_never_printed(team_backend: TeamBacke
             port = probe.getsockname()[1]
     password = "uri-password-s3cr3t"
     env = clean_env() | {"MLFLOW_TRACKING_URI": f"http://admin:{password}@127.0.0.1:{port}"}
-    done = subprocess.run([str(VENV_BIN / "python"), "-m", "stages.init_store"], cwd=REPO, env=env,
+    done = subprocess.run([str(VENV_BIN / "python"), "-m", "tools.init_store"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
@@ -319,8 +319,9 @@ def test_a_model_changed_in_the_store_is_refused_before_its_code_runs(team_pipel
     env = clean_env() | team_backend.mlflow_env
 
     def loading(uri: str = f"models:/{name}/{version.version}") -> subprocess.CompletedProcess:
-        load = ("from stages._common import main\n"
-                "from stages._tracking import load_verified_model, use_store\n"
+        load = ("from stages.support.interrupts import main\n"
+                "from stages.support.champion import load_verified_model\n"
+                "from stages.support.store import use_store\n"
                 "def run():\n"
                 "    use_store()\n"
                 f"    model = load_verified_model({uri!r})\n"

@@ -1,8 +1,8 @@
 """Tracking faults end in one line and leave no run RUNNING (issue 17): a frozen tracking server, runs left
 RUNNING by killed stages, and evaluations racing for `@champion`.
 
-The stages here are stand-ins: small scripts that open a run the way every stage does (stages._tracking.stage_run
-under stages._common.main) and then wait for a file, in a SQLite store of their own or against the real team
+The stages here are stand-ins: small scripts that open a run the way every stage does (stages.support.tracking.stage_run
+under stages.support.interrupts.main) and then wait for a file, in a SQLite store of their own or against the real team
 server (tests/team_support.py). Every wait is a poll with a deadline; every process a test starts, or stops with
 SIGSTOP, is killed or continued in a `finally`, by its pid.
 """
@@ -21,10 +21,11 @@ from typing import Callable, Iterator
 import psutil
 import pytest
 from mlflow.tracking import MlflowClient
-
 from pipeline_support import REPO, VENV_BIN, Pipeline, clean_env
-from stages._tracking import CHAMPION, HOST_TAG, PID_START_TAG, PID_TAG, TRAIN_EXPERIMENT
 from team_support import TeamBackend
+
+from stages.support.champion import CHAMPION
+from stages.support.store import HOST_TAG, PID_START_TAG, PID_TAG, TRAIN_EXPERIMENT
 
 # A stage that opens a run in the training experiment, writes the run's id to argv[2], waits (at most 10
 # minutes) for the file argv[1], then logs a metric: the request that meets a frozen server.
@@ -32,8 +33,9 @@ STAND_IN_STAGE = '''
 import sys, time
 from pathlib import Path
 import mlflow
-from stages._common import main
-from stages._tracking import TRAIN_EXPERIMENT, stage_run
+from stages.support.interrupts import main
+from stages.support.store import TRAIN_EXPERIMENT
+from stages.support.tracking import stage_run
 
 def run():
     go, started = Path(sys.argv[1]), Path(sys.argv[2])
@@ -54,8 +56,9 @@ if __name__ == "__main__":
 EVALUATOR = '''
 import os, sys, time
 from pathlib import Path
-from stages._common import main
-from stages._tracking import promote_if_champion, use_store
+from stages.support.interrupts import main
+from stages.support.champion import promote_if_champion
+from stages.support.store import use_store
 
 def run():
     model_uri, run_id, val_acc, name, go, delay = sys.argv[1:]
@@ -185,11 +188,11 @@ def test_a_killed_stages_run_is_ended_killed_by_the_next_stage(sqlite_stages: St
 
 
 def test_make_ui_ends_abandoned_runs_before_the_ui_shows_them(sqlite_stages: Stages) -> None:
-    """`make ui` (and `make repro`) first run stages.init_store, which opens every experiment."""
+    """`make ui` (and `make repro`) first run tools.init_store, which opens every experiment."""
     client = MlflowClient(sqlite_stages.env["MLFLOW_TRACKING_URI"])
     process, run_id = sqlite_stages.start("killed")
     _killed(process)
-    done = subprocess.run([str(VENV_BIN / "python"), "-m", "stages.init_store"], cwd=REPO, env=sqlite_stages.env,
+    done = subprocess.run([str(VENV_BIN / "python"), "-m", "tools.init_store"], cwd=REPO, env=sqlite_stages.env,
                           capture_output=True, text=True, timeout=START_S)
     assert done.returncode == 0, done.stderr
     assert _note([process.pid]) in done.stderr.splitlines()
@@ -225,7 +228,8 @@ def test_parallel_stages_never_end_each_others_runs(sqlite_stages: Stages) -> No
     are RUNNING; then a reproduce-like parent with its children logged, while it lives."""
     import mlflow
 
-    from stages._tracking import log_child_runs, process_tags
+    from stages.support.store import process_tags
+    from stages.support.tracking import log_child_runs
 
     client = MlflowClient(sqlite_stages.env["MLFLOW_TRACKING_URI"])
     names = [f"parallel-{n}" for n in range(4)]
@@ -362,7 +366,7 @@ def _logged_models(uri: str, count: int) -> list[tuple[str, str]]:
     import mlflow.pytorch
     import torch
 
-    from stages._tracking import connect
+    from stages.support.store import connect
 
     os.environ["MLFLOW_TRACKING_URI"] = uri
     try:
@@ -437,7 +441,7 @@ def test_concurrent_evaluations_leave_the_champion_on_the_best_model_in_sqlite(t
 
 def test_an_equal_newcomer_never_displaces_the_champion(tmp_path: Path) -> None:
     """Ties go to the oldest version, also when the alias was set on a newer one by a racing evaluation."""
-    from stages._tracking import settle_champion
+    from stages.support.champion import settle_champion
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     (model_uri, run_id), = _logged_models(uri, 1)

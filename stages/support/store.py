@@ -1,18 +1,16 @@
-"""MLflow for the stage scripts: where the store is, how runs are tagged, and that none is left RUNNING."""
+"""The tracking store: where it is (SQLite at the repo root, or a team server), connecting to it, its experiments
+and their views, what its errors mean, and the runs that stopped stages left RUNNING."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator
 
 # The machines here have no internet, and a pipeline should not phone home: no usage telemetry.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -23,8 +21,12 @@ from filelock import FileLock
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from stages._common import disk_full, fail, no_space, parse_params_yaml, repo_root
-from stages._fetch import redact_urls
+from stages.support.fetch import redact_urls
+from stages.support.files import disk_full, no_space
+from stages.support.params import fail, repo_root
+
+# Separate experiments keep the training table one row per training configuration.
+
 
 # Separate experiments keep the training table one row per training configuration.
 TRAIN_EXPERIMENT = "gat-repro"
@@ -39,7 +41,7 @@ DESCRIPTIONS = {
                       "checkpoint, per-epoch curves (epoch_*), the confusion matrix and curves as PNGs, and the "
                       "model. The best configuration on val_acc is registered as gat-<dataset>@champion.",
     DATA_EXPERIMENT: "One run per download or preprocess of a dataset: its source, checksums, sizes and split.",
-    COMPARE_EXPERIMENT: "One run per `python -m stages.compare` (`make compare`): every reproduced configuration's "
+    COMPARE_EXPERIMENT: "One run per `python -m tools.compare` (`make compare`): every reproduced configuration's "
                         "mean test accuracy with its 95% CI, per dataset, as a table (compare.md) and a plot "
                         "(compare.png), read from the gat-repro-reproduce parents.",
     REPRODUCE_EXPERIMENT: "The paper's table: one parent run per dataset and reproduction config, with the mean, "
@@ -240,7 +242,7 @@ def server_problem(error: BaseException, what: str, ended: bool | None = None) -
 def store_full(error: BaseException) -> Path | None:
     """Where the disk that `error` found full is, when it was the store's: the SQLite database's folder (SQLite's
     "database or disk is full", which MLflow wraps) or the local artifact folder (an OSError from MLflow's copy
-    of an artifact); None for any other error (a full disk elsewhere is stages._common.main's to say)."""
+    of an artifact); None for any other error (a full disk elsewhere is stages.support.interrupts.main's to say)."""
     for link in _chain(error):
         if isinstance(link, OSError) and disk_full(link) and _raised_in(link, "mlflow/store/artifact/"):
             return Path(link.filename).parent if link.filename else artifact_root()
@@ -269,7 +271,7 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
         link = link.__cause__ or link.__context__
 
 
-def _store_problem(error: BaseException, what: str, ended: bool | None = None) -> str:
+def store_problem(error: BaseException, what: str, ended: bool | None = None) -> str:
     """One line for a failure of the tracking store: a full disk under a local store, else the server's."""
     full = store_full(error)
     if full is not None:
@@ -289,7 +291,7 @@ def artifact_root() -> Path:
     return (_sqlite_folder(tracking_uri()) or repo_root()) / "mlartifacts"
 
 
-def _store_lock() -> contextlib.AbstractContextManager:
+def store_lock() -> contextlib.AbstractContextManager:
     """A file lock beside a SQLite store (whose first migration, and read-then-write steps, race); else nothing."""
     store = _sqlite_folder(tracking_uri())
     return FileLock(str(store / ".mlflow.lock")) if store else contextlib.nullcontext()
@@ -303,7 +305,7 @@ def connect(experiment: str) -> str:
     """
     uri = use_store()
     store = _sqlite_folder(uri)
-    with _store_lock():
+    with store_lock():
         client = MlflowClient()
         found = client.get_experiment_by_name(experiment)
         tags = {EXPERIMENT_KIND[0]: EXPERIMENT_KIND[1], NOTE: DESCRIPTIONS[experiment],
@@ -385,366 +387,3 @@ def ui_url(base: str, experiment_id: str) -> str:
     return (f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs"
             f"?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}")
 
-
-def data_digest(checksums: Mapping[str, str]) -> str:
-    """One SHA-256 over the per-file checksums, in the `sha256sum` line format, sorted by file."""
-    lines = "".join(f"{checksums[name]}  {name}\n" for name in sorted(checksums))
-    return hashlib.sha256(lines.encode()).hexdigest()
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def standard_tags(dataset: str, checksums: Mapping[str, str]) -> dict[str, str]:
-    """Tags every training-related run carries, so runs can be traced to code, experiment and data."""
-    commit = git_commit()
-    tags = {
-        "git_commit": commit,
-        "mlflow.source.git.commit": commit,
-        "dataset": dataset,
-        "data_sha256": data_digest(checksums),
-        "dvc_stage": os.environ.get("DVC_STAGE", "(run by hand)"),
-    }
-    if os.environ.get("DVC_EXP_NAME"):
-        tags["dvc_exp_name"] = os.environ["DVC_EXP_NAME"]
-    return tags
-
-
-@contextlib.contextmanager
-def stage_run(experiment: str | None = None, run_name: str | None = None, tags: Mapping[str, str] | None = None,
-              run_id: str | None = None, nested: bool = False) -> Iterator[mlflow.ActiveRun]:
-    """Start (or, with `run_id`, resume) a run that ends FINISHED, or FAILED on any exception.
-
-    The stage scripts turn SIGTERM into SystemExit (stages._common.main), so an
-    interrupted `dvc repro` marks the run FAILED too instead of leaving it RUNNING.
-    """
-    from mlflow.entities import RunTag
-
-    if run_id is None:
-        if experiment is None:
-            raise ValueError("stage_run needs an experiment or a run_id")
-        try:
-            experiment_id: str | None = connect(experiment)
-        except SERVER_ERRORS as error:
-            if store_full(error) is None:
-                raise
-            fail(_store_problem(error, experiment))
-    else:
-        use_store()
-        experiment_id = None
-        try:
-            MlflowClient().get_run(run_id)
-        except MlflowException:
-            fail(f"MLflow run {run_id} is not in the tracking store {shown_uri()}: the stage that made it "
-                 "logged to another store. Rerun that stage against this one (`dvc repro --force <stage>`).")
-    what = experiment or run_id or "?"
-    try:
-        if run_id is not None:  # this process owns the resumed run before it is RUNNING again, never after
-            MlflowClient().log_batch(run_id, tags=[RunTag(key, value) for key, value in process_tags().items()])
-        run = mlflow.start_run(run_id=run_id, experiment_id=experiment_id, run_name=run_name,
-                               tags={**(tags or {}), **process_tags()}, nested=nested)
-    except SERVER_ERRORS as error:
-        fail(_store_problem(error, what))
-    try:
-        yield run
-    except BaseException as error:
-        ended = _end_failed(run.info.run_id, error)
-        # A full disk, or the server's failure; anything else is a bug: its traceback shows.
-        if store_full(error) is not None or (is_server(tracking_uri()) and from_server(error)):
-            fail(_store_problem(error, what, ended))
-        raise
-    try:
-        mlflow.end_run("FINISHED")
-    except SERVER_ERRORS as error:
-        fail(_store_problem(error, what, _end_failed(run.info.run_id, error)))
-
-
-def _end_failed(run_id: str, error: BaseException) -> bool:
-    """Mark the run FAILED and say whether that worked; when the store itself is what failed, there is nothing more
-    to do. After a failure of the server, one short try (CLEANUP_TIMEOUT_S, no retry): the stage must not wait
-    for a frozen server a second time."""
-    quick = is_server(tracking_uri()) and from_server(error)
-    with _quick_requests() if quick else contextlib.nullcontext():
-        try:
-            if mlflow.active_run() is not None:
-                mlflow.end_run("FAILED")
-            else:  # end_run("FINISHED") failed after taking the run off MLflow's stack
-                MlflowClient().set_terminated(run_id, "FAILED")
-        except SERVER_ERRORS:
-            return False
-    return True
-
-
-@contextlib.contextmanager
-def _quick_requests() -> Iterator[None]:
-    """MLflow's requests inside: one try of CLEANUP_TIMEOUT_S (MLflow reads these settings at every request)."""
-    quick = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(CLEANUP_TIMEOUT_S), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
-    saved = {key: os.environ.get(key) for key in quick}
-    os.environ.update(quick)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key)
-            else:
-                os.environ[key] = value
-
-
-def log_dataset(dataset: str, source: str, checksums: Mapping[str, str], context: str) -> None:
-    """Record the raw files as an MLflow dataset input: their source and a digest of their bytes."""
-    from mlflow.data.http_dataset_source import HTTPDatasetSource
-    from mlflow.data.meta_dataset import MetaDataset
-
-    meta = MetaDataset(HTTPDatasetSource(source), name=dataset,  # type: ignore[abstract]  # MLflow's own helper
-                       digest=data_digest(checksums)[:16])
-    mlflow.log_input(meta, context=context)
-
-
-class EpochLogger:
-    """Per-epoch step metrics, sent in batches: one SQLite transaction per epoch would cost seconds per run."""
-
-    def __init__(self, run_id: str, every: int = 100):
-        self.run_id, self.every = run_id, every
-        self.pending: list = []
-        self.client = MlflowClient()
-
-    def log(self, row: Mapping[str, float]) -> None:
-        from mlflow.entities import Metric
-
-        timestamp = int(time.time() * 1000)
-        self.pending += [Metric(key, float(value), timestamp, int(row["epoch"]))
-                         for key, value in row.items() if key != "epoch"]
-        if len(self.pending) >= self.every * len(row):
-            self.flush()
-
-    def flush(self) -> None:
-        while self.pending:  # log_batch takes at most 1000 metrics
-            self.client.log_batch(self.run_id, metrics=self.pending[:1000])
-            self.pending = self.pending[1000:]
-
-    def __enter__(self) -> "EpochLogger":
-        return self
-
-    def __exit__(self, kind, error, traceback) -> None:
-        if not from_server(error):  # the batch the server failed on would wait for it a second time
-            self.flush()
-
-
-def log_child_runs(parent_run_id: str, experiment_id: str, dataset: str,
-                   rows: Sequence[Mapping[str, float | int | str]], timings: Mapping[int, tuple[float, float]],
-                   tags: Mapping[str, str], seed_tags: Mapping[int, Mapping[str, str]] | None = None) -> None:
-    """One finished child run per seed under the parent, with that seed's final metrics.
-
-    A row's numbers are metrics and its text (the weights' SHA-256) tags. `timings` maps a seed to the
-    wall-clock (start, end) of its training, in seconds since the epoch, so the UI shows each seed's real
-    duration. `seed_tags` adds tags per seed: where it ran (the worker's host, torch and CPU facts). Written
-    with the client directly: a few calls per seed keep 100 children to seconds.
-    """
-    from mlflow.entities import Metric, Param, RunTag
-
-    client = MlflowClient()
-    for row in rows:
-        seed = int(row["seed"])
-        start_ms, end_ms = (int(1000 * t) for t in timings[seed])
-        child = client.create_run(experiment_id, start_time=start_ms, run_name=f"{dataset}-seed-{seed}",
-                                  tags={**tags, **process_tags(), "mlflow.parentRunId": parent_run_id})
-        texts = {k: v for k, v in row.items() if isinstance(v, str)}
-        client.log_batch(child.info.run_id, params=[Param("seed", str(seed))],
-                         metrics=[Metric(k, float(v), end_ms, 0) for k, v in row.items()
-                                  if k != "seed" and not isinstance(v, str)],
-                         tags=[RunTag(k, str(v)) for k, v in
-                               {"seed": str(seed), **texts, **(seed_tags or {}).get(seed, {})}.items()])
-        client.set_terminated(child.info.run_id, "FINISHED", end_time=end_ms)
-
-
-def params_changed_from_committed(current: Mapping[str, object], committed_yaml: str | None) -> dict[str, tuple]:
-    """Dotted key -> (committed value, this run's value) for every param in `current` that differs from the
-    committed params.yaml, both read as typed params (so `30` and `30.0` are the same value).
-
-    `committed_yaml` is the text of params.yaml at git HEAD (None when there is none); a committed file
-    that does not validate any more (an older layout) leaves nothing to compare with.
-    """
-    import yaml
-
-    from gat.config import Params, ParamsError, flatten
-
-    if committed_yaml is None:
-        return {}
-    try:
-        committed = flatten(Params.from_dict(parse_params_yaml(committed_yaml)))
-    except (yaml.YAMLError, ParamsError):
-        return {}
-    return {key: (committed.get(key, "(not set)"), value) for key, value in current.items()
-            if committed.get(key) != value}
-
-
-def committed_params_yaml() -> str | None:
-    """params.yaml as committed at HEAD, the defaults a run is described against; None outside a git checkout."""
-    try:
-        return subprocess.run(["git", "show", "HEAD:params.yaml"], capture_output=True, text=True,
-                              check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def describe_run(what: str, current: Mapping[str, object]) -> str:
-    """A run's description for the UI: what it holds, then the params that differ from the committed defaults."""
-    changed = params_changed_from_committed(current, committed_params_yaml())
-    if not changed:
-        return f"{what}\n\nAll params as committed in params.yaml (the defaults)."
-    lines = "\n".join(f"- `{key}`: {this} (committed: {before})" for key, (before, this) in sorted(changed.items()))
-    return f"{what}\n\nParams that differ from the committed params.yaml:\n{lines}"
-
-
-CHAMPION = "champion"
-# A registered version's tag: SHA-256 over its model's files as the pipeline registered them (model_digest).
-MODEL_DIGEST_TAG = "artifacts_sha256"
-
-
-def folder_digest(folder: Path) -> str:
-    """data_digest over every file under `folder` by its relative path: what
-    `cd folder && find . -type f ! -path ./registered_model_meta -printf '%P\\n' | LC_ALL=C sort |
-    xargs -d '\\n' sha256sum | sha256sum` prints."""
-    checksums = {}
-    for path in sorted(folder.rglob("*")):
-        # `registered_model_meta` is written by MLflow's download itself (the version's name and number).
-        if path.is_file() and path.relative_to(folder).as_posix() != "registered_model_meta":
-            checksums[path.relative_to(folder).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return data_digest(checksums)
-
-
-def model_digest(model_uri: str) -> str:
-    """folder_digest of a logged model's files, downloaded from the store."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as folder:
-        return folder_digest(Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=folder)))
-
-
-def load_verified_model(uri: str):
-    """Load `models:/<name>@<alias>` or `models:/<name>/<version>` only if its files are those the pipeline
-    registered (the version's artifacts_sha256 tag); the files checked are the files loaded. Else one line."""
-    import tempfile
-
-    import mlflow.pytorch
-
-    name, _, ref = uri.removeprefix("models:/").partition("@")
-    client = MlflowClient()
-    if ref:
-        version = client.get_model_version_by_alias(name, ref)
-    else:
-        name, _, number = name.partition("/")
-        version = client.get_model_version(name, number)
-    expected = version.tags.get(MODEL_DIGEST_TAG)
-    with tempfile.TemporaryDirectory() as folder:
-        local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}/{version.version}", dst_path=folder))
-        found = folder_digest(local)
-        if expected is None or found != expected:
-            fail(f"{uri} (version {version.version}) is not the model the pipeline registered: its files' SHA-256 "
-                 f"is {found}, the version's {MODEL_DIGEST_TAG} tag says {expected}; it was not loaded (its code "
-                 "never ran): tell the server's admin, and use another version")
-        return mlflow.pytorch.load_model(str(local))
-
-
-def _refuse_a_foreign_champion(client: MlflowClient, model: str, current) -> None:
-    """Stop, in one line, when the champion was not made by this pipeline: its run is not in the training
-    experiment (another user created the registered model first, and owns it and its alias)."""
-    try:
-        experiment = client.get_experiment(client.get_run(current.run_id).info.experiment_id).name
-    except MlflowException:
-        experiment = "(a run this user cannot read)"
-    if experiment != TRAIN_EXPERIMENT:
-        fail(f"registered model {model}'s @{CHAMPION} (version {current.version}) was not made by this pipeline "
-             f"(its run is in experiment {experiment}, not {TRAIN_EXPERIMENT}): another user owns the name; the "
-             "server's admin deletes it, then runs `make team-up`, which makes every pipeline name as the admin")
-
-
-def promote_if_champion(run_id: str, model: str, model_uri: str, val_acc: float) -> str:
-    """Register the run's model (`model_uri`, as log_model returned it) as a version of `model` if its val_acc is
-    strictly higher than the current champion's (or there is none), and point the `champion` alias at the best
-    version (settle_champion). Returns a sentence saying what happened.
-
-    Validation accuracy, not test accuracy, picks the champion: choosing on the test split would leak it.
-    """
-    client = MlflowClient()
-    with _store_lock():  # SQLite: one evaluation at a time; a server has no lock, settle_champion makes it right
-        current = _champion(client, model)
-        if is_server(tracking_uri()) and current is None:
-            try:
-                client.get_registered_model(model)
-                refuse_a_foreign_name("registered model", model, model)
-            except MlflowException:
-                pass  # not registered yet: made below, by this user
-        if current is not None:
-            refuse_a_foreign_name("registered model", model, model)
-            _refuse_a_foreign_champion(client, model, current)
-            best = float(current.tags.get("val_acc", "nan"))
-            if current.run_id == run_id or not val_acc > best:
-                return (f"champion stays {model} version {current.version} (val_acc {best:.4f}; "
-                        f"this run {val_acc:.4f})")
-        else:
-            try:
-                client.create_registered_model(model, description=(
-                    f"GAT models trained by the pipeline on {model.removeprefix('gat-')}. The `{CHAMPION}` "
-                    "alias marks the version with the highest validation accuracy."))
-            except MlflowException:
-                pass  # registered already, with no champion yet
-        version = mlflow.register_model(model_uri, model, tags={"val_acc": repr(val_acc),
-                                                                 MODEL_DIGEST_TAG: model_digest(model_uri)})
-        champion = settle_champion(client, model)
-    if champion.version == version.version:
-        return f"registered as {model} version {version.version}, now `{CHAMPION}` (val_acc {val_acc:.4f})"
-    return (f"registered as {model} version {version.version} (val_acc {val_acc:.4f}); `{CHAMPION}` is version "
-            f"{champion.version} (val_acc {float(champion.tags['val_acc']):.4f}), registered at the same time")
-
-
-def _champion(client: MlflowClient, model: str):
-    """The version the `champion` alias points at, or None."""
-    try:
-        return client.get_model_version_by_alias(model, CHAMPION)
-    except MlflowException:
-        return None
-
-
-# How often settle_champion reads, fixes and reads again before it gives up: each round that does not settle
-# means another evaluation registered a version meanwhile.
-SETTLE_ROUNDS = 20
-
-
-def _pipeline_versions(client: MlflowClient, model: str) -> dict[str, float]:
-    """Version number -> val_acc of every version the pipeline registered (with its val_acc and artifacts_sha256
-    tags)."""
-    versions = client.search_model_versions(f"name = '{model}'")
-    return {v.version: float(v.tags["val_acc"]) for v in versions if {"val_acc", MODEL_DIGEST_TAG} <= set(v.tags)}
-
-
-def _best(versions: Mapping[str, float]) -> str:
-    """The version with the highest val_acc; of equals the oldest, so that an equal newcomer never displaces it."""
-    return max(versions, key=lambda number: (versions[number], -int(number)))
-
-
-def settle_champion(client: MlflowClient, model: str):
-    """Point `champion` at the best registered version, safely against evaluations registering at the same time.
-
-    A server has no lock around read-then-set: two evaluations that both saw no champion both set the alias, and
-    the last one won, worse or not. So every evaluation that registered a version reads all versions, sets the
-    alias to the best, and reads again, until nothing changed: whoever sets the alias last then has read every
-    version registered before it, so the alias ends on the true best. Returns that version.
-    """
-    versions = _pipeline_versions(client, model)
-    for _ in range(SETTLE_ROUNDS):
-        best = _best(versions)
-        current = _champion(client, model)
-        if current is None or current.version != best:
-            client.set_registered_model_alias(model, CHAMPION, best)
-        seen, versions = versions, _pipeline_versions(client, model)
-        current = _champion(client, model)
-        if versions == seen and current is not None and current.version == best:
-            return current
-    fail(f"the `{CHAMPION}` alias of {model} kept changing for {SETTLE_ROUNDS} rounds (evaluations registering "
-         "versions at the same time): rerun evaluate, which settles it")

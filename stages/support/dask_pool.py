@@ -4,7 +4,7 @@
         for index, result in pool.as_completed(train_seeds, graph_tensors, jobs):
             ...                                  # `train_seeds(graph_tensors, *job)`, as each task finishes
 
-The same interface as stages._workers.WorkerPool.as_completed, the `local` executor.
+The same interface as stages.support.local_pool.WorkerPool.as_completed, the `local` executor.
 
 - **Which cluster.** Dask's own setting names the scheduler: the environment variable
   `DASK_SCHEDULER_ADDRESS` (Dask's config key `scheduler-address`). Without it, a `LocalCluster` on
@@ -30,7 +30,7 @@ The same interface as stages._workers.WorkerPool.as_completed, the `local` execu
   (SIGTERM, Ctrl-C, a failed task), the tasks are cancelled first.
   A running task is in a thread that Dask can't kill, so the task polls, once per epoch, whether the
   scheduler still wants it (its state on the worker turns `cancelled` when the stage cancels it or its
-  client goes away, the stage killed outright included) and stops itself (stages._seeds.Abandoned).
+  client goes away, the stage killed outright included) and stops itself (gat.seeds.Abandoned).
 - **A worker that dies** (SIGKILL, out of memory) is Dask's business: the scheduler runs its tasks again
   elsewhere. A task is pure and the stage process alone logs, so a rerun changes nothing but the time.
 - **A cluster that goes away mid-run** is a one-line error, not a traceback nor a hang: a scheduler that dies
@@ -63,7 +63,7 @@ import distributed
 from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from stages._common import fail
+from stages.support.params import fail
 
 # What to do about a worker that cannot import the project's code.
 START_WORKERS = ("start every worker from the repository root of this checkout, with its .venv active and "
@@ -151,7 +151,8 @@ def _unpickled_on_worker(payload: bytes, *arguments: Any) -> tuple[Any, ...]:
 class IgnoreCtrlC(WorkerPlugin):
     """A LocalCluster's worker processes are in the terminal's process group: Ctrl-C, and the SIGHUP of a closed
     terminal, reach them too. The stage, not each worker, decides what happens (it cancels the tasks and closes
-    the cluster), so the workers ignore both, as stages._workers' do. `setup` runs in the worker process's main
+    the cluster), so the workers ignore both, as stages.support.local_pool's do.
+    `setup` runs in the worker process's main
     thread."""
 
     name = "gat-ignore-ctrl-c"

@@ -1,15 +1,23 @@
 """Create (or migrate) the MLflow store and its experiments once, before any stage runs.
 
-    python -m stages.init_store [--ui-base http://127.0.0.1:5000]
+    python -m tools.init_store [--ui-base http://127.0.0.1:5000]
 
 A brand-new SQLite store that parallel processes (`dvc queue start -j 2`) race to create
 fails; `make repro` and `make ui` run this first so the store always exists. With
 `--ui-base`, it prints the UI address of each experiment's runs table.
 """
 
-from stages._common import ArgumentParser, main
-from stages._tracking import (COMPARE_EXPERIMENT, DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT, connect,
-                              shown_uri, ui_url)
+from stages.support.interrupts import main
+from stages.support.params import ArgumentParser
+from stages.support.store import (
+    COMPARE_EXPERIMENT,
+    DATA_EXPERIMENT,
+    REPRODUCE_EXPERIMENT,
+    TRAIN_EXPERIMENT,
+    connect,
+    shown_uri,
+    ui_url,
+)
 
 
 def run() -> None:

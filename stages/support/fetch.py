@@ -32,9 +32,10 @@ from tqdm import tqdm
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from stages._common import fail, repo_root
+import gat
+from stages.support.params import fail, repo_root
 
-CHECKSUMS = Path(__file__).resolve().parent / "checksums" / "planetoid.sha256"
+CHECKSUMS = Path(gat.__file__).resolve().parent / "planetoid.sha256"
 MIRROR_ENV = "GAT_DATA_MIRROR"
 
 # Seconds before retry k is BACKOFF_S * 2**k; tests set it to 0.
@@ -277,7 +278,7 @@ def _download(session: requests.Session, sockets: _Sockets, url: str, target: Pa
 
 def _check(name: str, actual: str, expected: str, fix: str) -> None:
     if actual != expected:
-        fail(f"{name}: SHA-256 is {actual}, but {expected} is pinned (stages/checksums/planetoid.sha256). {fix}")
+        fail(f"{name}: SHA-256 is {actual}, but {expected} is pinned (gat/planetoid.sha256). {fix}")
 
 
 def fetch(expected: Mapping[str, str], source: str | Path, dest: Path, *, timeout_s: float,

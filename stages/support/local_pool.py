@@ -6,7 +6,7 @@
         for index, result in pool.as_completed(function, shared, jobs):   # as each job finishes
             ...
 
-- On any exception in the block (a failed job, SystemExit from stages._common's SIGTERM/SIGINT
+- On any exception in the block (a failed job, SystemExit from stages.support.interrupts' SIGTERM/SIGINT
   handler, KeyboardInterrupt), pending jobs are cancelled and the workers are killed at once
   (SIGKILL: a worker in the middle of a batch has nothing to save), instead of the executor's
   usual wait for the running jobs.
@@ -41,11 +41,11 @@ import signal
 import sys
 import threading
 import time
-from types import TracebackType
 from multiprocessing.resource_sharer import _ResourceSharer  # type: ignore[attr-defined]  # private, not in typeshed
+from types import TracebackType
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from stages._common import fail
+from stages.support.params import fail
 
 # <linux/prctl.h>
 _PR_SET_PDEATHSIG = 1
@@ -184,7 +184,8 @@ class WorkerPool:
                      jobs: Sequence[tuple[Any, ...]]) -> Iterator[tuple[int, Any]]:
         """`function(shared, *job)` for each job, in a worker; (the job's index, its result) as each is done.
 
-        The interface of stages._dask.DaskPool.as_completed, which ships `shared` to each worker once; here it
+        The interface of stages.support.dask_pool.DaskPool.as_completed, which ships `shared` to each worker once;
+        here it
         travels with every job. A job that raises raises here as soon as it fails.
         """
         if threading.get_ident() != self._owner:
