@@ -27,7 +27,6 @@ from gat.seeds import BatchResult, train_seeds
 SOURCE_SUFFIXES = frozenset({".py", ".cpp", ".c", ".h", ".cu", ".cuh"})
 
 
-
 def _cpu_model() -> str:
     from gat.fused import cpu_facts
 
