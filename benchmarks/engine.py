@@ -57,7 +57,8 @@ from torch import Tensor, nn
 
 from gat import dense_reference, fused
 from gat.config import ModelConfig, OptimConfig
-from gat.data import Graph, file_names, parse_planetoid
+from gat.data import Graph, parse_planetoid
+from gat.datasets import DATASETS, ChecksumError, verify_raw
 from gat.dropout import ReplicaDropout
 from gat.graph import Neighbourhoods
 from gat.model import GAT
@@ -113,17 +114,19 @@ def default_data_dir() -> Path:
 def read_raw(folder: Path, dataset: str = DATASET, verify: bool = True) -> dict[str, bytes]:
     """The eight raw `ind.<dataset>.*` files' bytes, checked against gat/planetoid.sha256 when `verify`."""
     folder = Path(folder)
-    names = file_names(dataset)
+    names = DATASETS[dataset].file_names
     missing = [name for name in names if not (folder / name).is_file()]
     if missing:
         raise StageError(f"{folder} does not hold the Planetoid files {', '.join(missing)}: pass "
                          f"--data-dir FOLDER, a folder with the eight ind.{dataset}.* files")
-    if not verify:
-        return {name: (folder / name).read_bytes() for name in names}
-    # Imported here: stages.support.fetch pulls in requests, which the peak-RSS processes should not pay for.
-    from stages.support.fetch import read_checksums, read_verified
-
-    return read_verified(folder, read_checksums(names), producer=f"download@{dataset}")
+    raw = {name: (folder / name).read_bytes() for name in names}
+    if verify:
+        try:
+            verify_raw(raw, DATASETS[dataset].checksums(), where=f"{folder}/")
+        except ChecksumError as error:
+            raise StageError(f"{error} The file was changed or comes from elsewhere: run "
+                             f"`dvc repro --force download@{dataset}` to download it again.") from None
+    return raw
 
 
 def load_graph(folder: Path, dataset: str = DATASET, verify: bool = True) -> Graph:

@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-DATASETS = ("cora", "citeseer")
+from gat.datasets import DATASETS
 
 
 class ParamsError(ValueError):

@@ -7,7 +7,7 @@ one-hot labels (`y`, `ty`, `ally`: numpy), the adjacency lists (`graph`: a
 follows Kipf's loader and PyTorch Geometric's `read_planetoid_data` row for row, so the
 standard split is the one every published GAT/GCN number uses.
 
-Pickles run code when loaded: callers verify checksums first, and `_RestrictedUnpickler`
+Pickles run code when loaded: callers verify checksums first (gat.datasets.verify_raw), and `_RestrictedUnpickler`
 refuses every class the format does not use.
 """
 
@@ -27,7 +27,7 @@ import torch
 from scipy import sparse
 from torch import Tensor
 
-PARTS = ("x", "y", "tx", "ty", "allx", "ally", "graph", "test.index")
+from gat.datasets import PARTS, file_names
 
 # The standard Planetoid validation set: the 500 nodes right after the training nodes.
 NUM_VAL = 500
@@ -69,11 +69,6 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("builtins", "list"): list,
     ("_codecs", "encode"): _latin1_bytes,
 }
-
-
-def file_names(dataset: str) -> list[str]:
-    """The eight raw file names of `dataset`, in `PARTS` order: `ind.cora.x`, ..."""
-    return [f"ind.{dataset}.{part}" for part in PARTS]
 
 
 class _RestrictedUnpickler(pickle.Unpickler):

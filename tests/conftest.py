@@ -6,7 +6,7 @@ For other test modules:
   from `../shared/datasets/planetoid` when present, else synthetic cora and citeseer files
   in the same format. Synthetic files do not match `gat/planetoid.sha256`, so
   code that verifies against the pinned list needs `planetoid_folder.real` (or a patched
-  `stages.support.fetch.CHECKSUMS`).
+  `gat.datasets.CHECKSUMS`).
 - `serve_folder` (function): a factory `serve_folder(folder, faults=None) -> LoopbackServer`
   that serves `folder` on 127.0.0.1 until the test ends. `faults` maps a file name to the
   behaviours of its next requests, one per request (`"503"`, `"404"`, `"truncate"`: a
@@ -39,12 +39,17 @@ import numpy as np
 import pytest
 from scipy import sparse
 
+from gat.datasets import DATASETS, parse_checksums
+
 SHARED_PLANETOID = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "planetoid"
 
 # Sized so the standard split works: 20 training nodes per class, then 500 validation nodes.
+# The classes are the real datasets' (gat.datasets), so the class names apply to synthetic files too.
 SYNTHETIC_LAYOUTS = {
-    "cora": dict(num_classes=7, num_features=150, num_extra=300, num_test=200, missing_test=0, seed=1),
-    "citeseer": dict(num_classes=6, num_features=200, num_extra=200, num_test=200, missing_test=5, seed=2),
+    "cora": dict(num_classes=DATASETS["cora"].num_classes, num_features=150, num_extra=300, num_test=200,
+                 missing_test=0, seed=1),
+    "citeseer": dict(num_classes=DATASETS["citeseer"].num_classes, num_features=200, num_extra=200, num_test=200,
+                     missing_test=5, seed=2),
 }
 
 
@@ -179,14 +184,12 @@ class PlanetoidFolder:
 
 @pytest.fixture(scope="session")
 def planetoid_folder(tmp_path_factory: pytest.TempPathFactory) -> PlanetoidFolder:
-    from stages.support.fetch import read_checksums
-
     if (SHARED_PLANETOID / "SHA256SUMS").is_file():
-        return PlanetoidFolder(SHARED_PLANETOID, True, read_checksums(path=SHARED_PLANETOID / "SHA256SUMS"))
+        return PlanetoidFolder(SHARED_PLANETOID, True, parse_checksums((SHARED_PLANETOID / "SHA256SUMS").read_text()))
     folder = tmp_path_factory.mktemp("planetoid")
     for dataset, layout in SYNTHETIC_LAYOUTS.items():
         write_synthetic_planetoid(folder, dataset, **layout)
-    return PlanetoidFolder(folder, False, read_checksums(path=folder / "SHA256SUMS"))
+    return PlanetoidFolder(folder, False, parse_checksums((folder / "SHA256SUMS").read_text()))
 
 
 # The "drip" fault: far slower than any download should accept, yet each byte comes well within

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gat.config import DATASETS, ModelConfig, OptimConfig, Params, ParamsError, Setup, flatten
+from gat.datasets import DATASETS
+from gat.config import ModelConfig, OptimConfig, Params, ParamsError, Setup, flatten
 
 PARAMS_YAML = Path(__file__).resolve().parents[1] / "params.yaml"
 

@@ -16,7 +16,8 @@ from test_training import assert_same_replica  # one definition of "the same run
 
 from gat import fused
 from gat.config import ModelConfig, OptimConfig
-from gat.data import Graph, file_names, parse_planetoid
+from gat.data import Graph, parse_planetoid
+from gat.datasets import file_names
 from gat.dropout import ReplicaDropout
 from gat.fused_check import CASES, PAPER, check_double_precision, check_step, check_validation, checks, random_graph
 from gat.model import GAT

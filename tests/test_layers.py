@@ -355,7 +355,8 @@ def test_the_csr_beta_warning_is_silenced_where_gat_makes_csr_tensors_and_nowher
 def cora_sized(planetoid_folder) -> tuple[torch.Tensor, torch.Tensor]:
     """(x [N, F_in] dense, edge_index [2, E]): the real Cora when it is there, else random data of its size."""
     if planetoid_folder.real:
-        from gat.data import file_names, parse_planetoid
+        from gat.data import parse_planetoid
+        from gat.datasets import file_names
 
         folder = Path(planetoid_folder.path)
         graph = parse_planetoid({name: (folder / name).read_bytes() for name in file_names("cora")}, "cora")

@@ -29,7 +29,7 @@ import mlflow
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from gat.reproduction import PAPER
+from gat.datasets import DATASETS
 from stages.support.files import write_atomic
 from stages.support.interrupts import main
 from stages.support.params import ArgumentParser, check_tracking_uri, fail, repo_root
@@ -112,7 +112,7 @@ def label(config: Configuration, keys: Sequence[str]) -> str:
 
 def by_dataset(configs: Sequence[Configuration]) -> dict[str, list[Configuration]]:
     """Per dataset (in the paper's order), best mean test accuracy first."""
-    order = {name: i for i, name in enumerate(PAPER)}
+    order = {name: i for i, name in enumerate(DATASETS)}
     grouped: dict[str, list[Configuration]] = {}
     for config in sorted(configs, key=lambda c: (order.get(c.dataset, len(order)), c.dataset,
                                                  -c.metrics["test_acc_mean"], c.run.info.run_id)):
@@ -129,7 +129,7 @@ def markdown(configs: Sequence[Configuration], keys: Sequence[str], store: str) 
              "| dvc experiment | MLflow run |",
              "|---|---|---|---|---|---|---|---|"]
     for dataset, rows in by_dataset(configs).items():
-        paper = PAPER.get(dataset)
+        paper = DATASETS[dataset].paper if dataset in DATASETS else None
         for config in rows:
             m = config.metrics
             lines.append(
@@ -158,8 +158,8 @@ def figure(configs: Sequence[Configuration], keys: Sequence[str]):
         low = [mean - 100 * c.metrics["test_acc_ci_low"] for mean, c in zip(means, rows)]
         high = [100 * c.metrics["test_acc_ci_high"] - mean for mean, c in zip(means, rows)]
         positions = list(range(len(rows)))
-        if dataset in PAPER:
-            paper = PAPER[dataset]
+        if dataset in DATASETS:
+            paper = DATASETS[dataset].paper
             axes.axvspan(100 * (paper.mean - paper.std), 100 * (paper.mean + paper.std), color="orange", alpha=0.2,
                          label="paper mean ± std")
         axes.errorbar(means, positions, xerr=[low, high], fmt="o", color="#4c72b0", capsize=4,
