@@ -135,7 +135,7 @@ def markdown(configs: Sequence[Configuration], keys: Sequence[str], store: str) 
             lines.append(
                 f"| {dataset} | {label(config, keys)} | {int(m.get('seeds', 0))} "
                 f"| {pct(m['test_acc_mean'])} ± {pct(m.get('test_acc_std', float('nan')))} % "
-                f"| [{pct(m['test_acc_ci_low'])}, {pct(m['test_acc_ci_high'])}] % "
+                f"| [{pct(m['test_acc_ci95_low'])}, {pct(m['test_acc_ci95_high'])}] % "
                 f"| {f'{pct(paper.mean)} ± {pct(paper.std)} %' if paper else '-'} "
                 f"| {config.experiment or '-'} | `{config.run.info.run_id}` |")
     return "\n".join(lines) + "\n"
@@ -155,8 +155,8 @@ def figure(configs: Sequence[Configuration], keys: Sequence[str]):
     for axes, (dataset, rows) in zip(axes_list[0], grouped.items()):
         rows = rows[::-1]  # best at the top
         means = [100 * c.metrics["test_acc_mean"] for c in rows]
-        low = [mean - 100 * c.metrics["test_acc_ci_low"] for mean, c in zip(means, rows)]
-        high = [100 * c.metrics["test_acc_ci_high"] - mean for mean, c in zip(means, rows)]
+        low = [mean - 100 * c.metrics["test_acc_ci95_low"] for mean, c in zip(means, rows)]
+        high = [100 * c.metrics["test_acc_ci95_high"] - mean for mean, c in zip(means, rows)]
         positions = list(range(len(rows)))
         if dataset in DATASETS:
             paper = DATASETS[dataset].paper
@@ -196,7 +196,7 @@ def run() -> None:
     summary: dict[str, Any] = {"varied": keys, "configurations": [
         {"dataset": c.dataset, "configuration": label(c, keys), "params": c.params, "dvc_exp_name": c.experiment,
          "run_id": c.run.info.run_id, **{k: c.metrics.get(k) for k in (
-             "seeds", "test_acc_mean", "test_acc_std", "test_acc_ci_low", "test_acc_ci_high", "val_acc_mean")}}
+             "seeds", "test_acc_mean", "test_acc_std", "test_acc_ci95_low", "test_acc_ci95_high", "val_acc_mean")}}
         for rows in by_dataset(configs).values() for c in rows]}
     root = repo_root()
     markdown_path, plot_path = (path if path.is_absolute() else root / path for path in (args.markdown, args.plot))
