@@ -16,6 +16,8 @@ For other test modules:
   itself, forever); after those, the file is served normally.
 - `planetoid_url` (function): the base URL of `planetoid_folder` served that way, e.g.
   for `GAT_DATA_MIRROR`.
+- `paper_protocol` (session): the paper's model and optimiser (a `gat.config.Setup`), read from params.yaml,
+  where they are written once (`reproduce.protocol.cora`).
 - `write_synthetic_planetoid(folder, dataset, **layout)`: write one synthetic dataset and
   refresh `folder/SHA256SUMS`; returns the ground truth as a `SyntheticPlanetoid`.
 """
@@ -39,6 +41,7 @@ import numpy as np
 import pytest
 from scipy import sparse
 
+from gat.config import Params, Setup
 from gat.datasets import DATASETS, parse_checksums
 
 SHARED_PLANETOID = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "planetoid"
@@ -180,6 +183,15 @@ class PlanetoidFolder:
     path: Path
     real: bool
     checksums: dict[str, str]
+
+
+@pytest.fixture(scope="session")
+def paper_protocol() -> Setup:
+    """The paper's model and optimiser as params.yaml writes them, once: not copied into any test."""
+    from stages.support.params import parse_params_yaml
+
+    params_yaml = Path(__file__).resolve().parents[1] / "params.yaml"
+    return Params.from_dict(parse_params_yaml(params_yaml.read_text())).reproduce.protocol["cora"]
 
 
 @pytest.fixture(scope="session")
