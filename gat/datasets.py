@@ -19,6 +19,11 @@ from typing import Iterable, Mapping
 # The raw files' parts, in the order gat.data reads them.
 PARTS = ("x", "y", "tx", "ty", "allx", "ally", "graph", "test.index")
 
+# The standard Planetoid split, the paper's: the rows of `x`/`y` are the training nodes (20 per class in the
+# real files), the STANDARD_VAL_NODES right after them the validation nodes, and test.index lists the test nodes.
+STANDARD_TRAIN_PER_CLASS = 20
+STANDARD_VAL_NODES = 500
+
 # The pinned SHA-256 of every raw file, in `sha256sum` format. Tests point this at a list of their own.
 CHECKSUMS: Traversable | Path = resources.files("gat") / "planetoid.sha256"
 

@@ -42,7 +42,7 @@ import pytest
 from scipy import sparse
 
 from gat.config import Params, Setup
-from gat.datasets import DATASETS, parse_checksums
+from gat.datasets import DATASETS, STANDARD_TRAIN_PER_CLASS, STANDARD_VAL_NODES, parse_checksums
 
 SHARED_PLANETOID = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "planetoid"
 
@@ -106,8 +106,9 @@ def write_checksums(folder: Path) -> dict[str, str]:
     return checksums
 
 
-def write_synthetic_planetoid(folder: Path, dataset: str, *, num_classes: int = 7, train_per_class: int = 20,
-                              num_val: int = 500, num_extra: int = 300, num_test: int = 200,
+def write_synthetic_planetoid(folder: Path, dataset: str, *, num_classes: int = DATASETS["cora"].num_classes,
+                              train_per_class: int = STANDARD_TRAIN_PER_CLASS,
+                              num_val: int = STANDARD_VAL_NODES, num_extra: int = 300, num_test: int = 200,
                               missing_test: int = 0, num_features: int = 150, seed: int = 0) -> SyntheticPlanetoid:
     """Write `ind.<dataset>.*` in the exact Planetoid format from random ground truth.
 
