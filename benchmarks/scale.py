@@ -44,8 +44,8 @@ from typing import Any, Sequence
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DATASET = "cora"
+from benchmarks.data import DATASET, REPO_ROOT, default_data_dir
+
 # name -> (executor, workers) of each timed setting; they take turns within a round.
 SETTINGS = {"local": ("local", 2), "dask-2": ("dask", 2), "dask-1": ("dask", 1)}
 WORKER_COUNTS = (1, 8, 64)
@@ -134,7 +134,6 @@ def _hms(seconds: float) -> str:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from benchmarks.engine import default_data_dir
     from stages.support.seed_task import worker_facts
 
     data_dir = args.data_dir or default_data_dir()
@@ -209,7 +208,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--configs", type=int, default=50, help="configurations of the estimated ablation")
     parser.add_argument("--datasets", type=int, default=2, help="datasets of the estimated ablation")
     parser.add_argument("--data-dir", type=Path, default=None,
-                        help="folder with the raw ind.cora.* files (default: as benchmarks.engine finds them)")
+                        help="folder with the raw ind.cora.* files (default: as benchmarks.data finds them)")
     parser.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     args = parser.parse_args(argv)
     if args.seeds < 2 or args.rounds < 1 or args.configs < 1 or args.datasets < 1:

@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-DATASETS = ("cora", "citeseer")
+from gat.datasets import DATASETS
 
 
 class ParamsError(ValueError):
@@ -276,7 +276,8 @@ class Params:
         if not isinstance(raw, Mapping):
             raise ParamsError(f"params.yaml must be a mapping of sections (datasets, download, ...) at the top "
                               f"level, got a {type(raw).__name__}: see the README's Parameters section")
-        return _from_mapping(cls, dict(raw), "")
+        # Top-level `x-` keys only hold YAML anchors that the sections merge (the paper's protocol).
+        return _from_mapping(cls, {key: value for key, value in raw.items() if not str(key).startswith("x-")}, "")
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:

@@ -7,7 +7,7 @@ one-hot labels (`y`, `ty`, `ally`: numpy), the adjacency lists (`graph`: a
 follows Kipf's loader and PyTorch Geometric's `read_planetoid_data` row for row, so the
 standard split is the one every published GAT/GCN number uses.
 
-Pickles run code when loaded: callers verify checksums first, and `_RestrictedUnpickler`
+Pickles run code when loaded: callers verify checksums first (gat.datasets.verify_raw), and `_RestrictedUnpickler`
 refuses every class the format does not use.
 """
 
@@ -27,10 +27,7 @@ import torch
 from scipy import sparse
 from torch import Tensor
 
-PARTS = ("x", "y", "tx", "ty", "allx", "ally", "graph", "test.index")
-
-# The standard Planetoid validation set: the 500 nodes right after the training nodes.
-NUM_VAL = 500
+from gat.datasets import PARTS, STANDARD_VAL_NODES, file_names
 
 # At most this share of the test block may be ids missing from test.index (padded as
 # unlabelled, featureless nodes, as Kipf's loader does). Citeseer's real files miss 15 of
@@ -69,11 +66,6 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("builtins", "list"): list,
     ("_codecs", "encode"): _latin1_bytes,
 }
-
-
-def file_names(dataset: str) -> list[str]:
-    """The eight raw file names of `dataset`, in `PARTS` order: `ind.cora.x`, ..."""
-    return [f"ind.{dataset}.{part}" for part in PARTS]
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -345,14 +337,14 @@ def parse_planetoid(raw: Mapping[str, bytes], dataset: str) -> Graph:
         raise ValueError(f"ind.{dataset}.*: row counts disagree: x {x.shape[0]}, y {y.shape[0]}, tx {tx.shape[0]}, "
                          f"ty {ty.shape[0]}, test.index {len(test_index)}, allx {allx.shape[0]}, ally {ally.shape[0]}")
     num_train = y.shape[0]
-    if num_train + NUM_VAL > allx.shape[0]:
-        raise ValueError(f"{names['allx']}: {num_train} training + {NUM_VAL} validation nodes exceed "
+    if num_train + STANDARD_VAL_NODES > allx.shape[0]:
+        raise ValueError(f"{names['allx']}: {num_train} training + {STANDARD_VAL_NODES} validation nodes exceed "
                          f"its {allx.shape[0]} rows")
     # Without these, an unlabelled node in a split fails much later, in describe's bincount or the loss.
     # The real files have no all-zero rows: Citeseer's 15 unlabelled nodes are ids missing from
     # test.index, padded in below, and in no split.
     _require_labels(y, names["y"], num_train, "training")
-    _require_labels(ally, names["ally"], num_train + NUM_VAL, "training or validation")
+    _require_labels(ally, names["ally"], num_train + STANDARD_VAL_NODES, "training or validation")
     _require_labels(ty, names["ty"], len(ty), "test")
 
     features = _normalise_rows(_place_test_rows(allx.astype(np.float32), tx.astype(np.float32), test_index))
@@ -369,7 +361,7 @@ def parse_planetoid(raw: Mapping[str, bytes], dataset: str) -> Graph:
         edge_index=edge_index,
         labels=torch.from_numpy(labels.astype(np.int64)),
         train_idx=torch.arange(num_train),
-        val_idx=torch.arange(num_train, num_train + NUM_VAL),
+        val_idx=torch.arange(num_train, num_train + STANDARD_VAL_NODES),
         test_idx=torch.from_numpy(np.sort(test_index)),
         num_classes=int(ally.shape[1]),
     )

@@ -236,7 +236,8 @@ class GraphAttentionLayer(nn.Module):
         \qquad h'_i = \sum_{j \in N(i)} \alpha_{ij} g_j + c^k
 
     The heads are concatenated (`is_concat`) or averaged. This is the annotated tutorial's
-    layer, with the tutorial's constructor, but the score a^T[g_i || g_j] is split into a
+    layer, with the tutorial's constructor (but `dropout` and the slope without defaults: the paper's values
+    are parameters, in params.yaml), and the score a^T[g_i || g_j] is split into a
     per-node target half and source half that are gathered to edges, so memory is O(E·H),
     not the tutorial's O(N²·H).
 
@@ -265,8 +266,8 @@ class GraphAttentionLayer(nn.Module):
         output: [N_dst, R, H·F'] if `is_concat`, else [N_dst, R, F']  (N_src = N_dst = N on a whole graph)
     """
 
-    def __init__(self, in_features: int, out_features: int, n_heads: int, is_concat: bool = True,
-                 dropout: float = 0.6, leaky_relu_negative_slope: float = 0.2, n_replicas: int = 1,
+    def __init__(self, in_features: int, out_features: int, n_heads: int, *, dropout: float,
+                 leaky_relu_negative_slope: float, is_concat: bool = True, n_replicas: int = 1,
                  activation: Callable[[Tensor], Tensor] | None = None):
         super().__init__()
         if is_concat and out_features % n_heads:

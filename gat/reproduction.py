@@ -1,4 +1,4 @@
-"""The paper's table, and the statistics that compare a many-seed reproduction with it."""
+"""The statistics that compare a many-seed reproduction with the paper's table (gat.datasets holds its figures)."""
 
 from __future__ import annotations
 
@@ -10,25 +10,6 @@ from typing import Sequence
 
 import numpy as np
 from scipy import stats
-
-
-@dataclass(frozen=True)
-class PaperResult:
-    """Test accuracy as Table 3 of the paper reports it: mean ± std over 100 runs (fractions)."""
-
-    mean: float
-    std: float
-
-    def contains(self, value: float) -> bool:
-        """Whether `value` lies inside the paper's mean ± std band."""
-        return self.mean - self.std <= value <= self.mean + self.std
-
-
-PAPER = {
-    "cora": PaperResult(0.830, 0.007),
-    "citeseer": PaperResult(0.725, 0.007),
-    "pubmed": PaperResult(0.790, 0.003),
-}
 
 
 @dataclass(frozen=True)

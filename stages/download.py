@@ -10,8 +10,8 @@ from pathlib import Path
 
 import mlflow
 
-from gat.config import DATASETS, flatten
-from gat.data import file_names
+from gat.config import flatten
+from gat.datasets import DATASETS
 from stages.support import fetch
 from stages.support.files import atomic_dir
 from stages.support.interrupts import main
@@ -26,7 +26,7 @@ def run() -> None:
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     params = load_params().download
-    expected = fetch.read_checksums(file_names(args.dataset))
+    expected = fetch.pinned(args.dataset)
     source = fetch.resolve_source(params.base_url)
     shown_source = fetch.redact(str(source))  # a mirror URL may carry a password
 

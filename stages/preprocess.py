@@ -14,8 +14,9 @@ from pathlib import Path
 import mlflow
 import torch
 
-from gat.config import DATASETS, flatten
-from gat.data import Graph, describe, file_names, graph_to_tensors, parse_planetoid, random_split
+from gat.config import flatten
+from gat.data import Graph, describe, graph_to_tensors, parse_planetoid, random_split
+from gat.datasets import DATASETS
 from stages.support import fetch
 from stages.support.files import atomic_dir, require, write_json
 from stages.support.interrupts import main
@@ -46,7 +47,7 @@ def run() -> None:
     params = load_params()
     settings = params.preprocess
     producer = f"download@{args.dataset}"
-    expected = fetch.read_checksums(file_names(args.dataset))
+    expected = fetch.pinned(args.dataset)
     # Checksums before unpickling: only the pinned bytes are ever unpickled.
     raw = fetch.read_verified(require(args.raw, producer), expected, producer)
     graph = _parse(raw, args.raw, args.dataset)

@@ -6,7 +6,7 @@ For other test modules:
   from `../shared/datasets/planetoid` when present, else synthetic cora and citeseer files
   in the same format. Synthetic files do not match `gat/planetoid.sha256`, so
   code that verifies against the pinned list needs `planetoid_folder.real` (or a patched
-  `stages.support.fetch.CHECKSUMS`).
+  `gat.datasets.CHECKSUMS`).
 - `serve_folder` (function): a factory `serve_folder(folder, faults=None) -> LoopbackServer`
   that serves `folder` on 127.0.0.1 until the test ends. `faults` maps a file name to the
   behaviours of its next requests, one per request (`"503"`, `"404"`, `"truncate"`: a
@@ -16,6 +16,8 @@ For other test modules:
   itself, forever); after those, the file is served normally.
 - `planetoid_url` (function): the base URL of `planetoid_folder` served that way, e.g.
   for `GAT_DATA_MIRROR`.
+- `paper_protocol` (session): the paper's model and optimiser (a `gat.config.Setup`), read from params.yaml,
+  where they are written once (`reproduce.protocol.cora`).
 - `write_synthetic_planetoid(folder, dataset, **layout)`: write one synthetic dataset and
   refresh `folder/SHA256SUMS`; returns the ground truth as a `SyntheticPlanetoid`.
 """
@@ -39,12 +41,18 @@ import numpy as np
 import pytest
 from scipy import sparse
 
+from gat.config import Params, Setup
+from gat.datasets import DATASETS, STANDARD_TRAIN_PER_CLASS, STANDARD_VAL_NODES, parse_checksums
+
 SHARED_PLANETOID = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "planetoid"
 
 # Sized so the standard split works: 20 training nodes per class, then 500 validation nodes.
+# The classes are the real datasets' (gat.datasets), so the class names apply to synthetic files too.
 SYNTHETIC_LAYOUTS = {
-    "cora": dict(num_classes=7, num_features=150, num_extra=300, num_test=200, missing_test=0, seed=1),
-    "citeseer": dict(num_classes=6, num_features=200, num_extra=200, num_test=200, missing_test=5, seed=2),
+    "cora": dict(num_classes=DATASETS["cora"].num_classes, num_features=150, num_extra=300, num_test=200,
+                 missing_test=0, seed=1),
+    "citeseer": dict(num_classes=DATASETS["citeseer"].num_classes, num_features=200, num_extra=200, num_test=200,
+                     missing_test=5, seed=2),
 }
 
 
@@ -98,8 +106,9 @@ def write_checksums(folder: Path) -> dict[str, str]:
     return checksums
 
 
-def write_synthetic_planetoid(folder: Path, dataset: str, *, num_classes: int = 7, train_per_class: int = 20,
-                              num_val: int = 500, num_extra: int = 300, num_test: int = 200,
+def write_synthetic_planetoid(folder: Path, dataset: str, *, num_classes: int = DATASETS["cora"].num_classes,
+                              train_per_class: int = STANDARD_TRAIN_PER_CLASS,
+                              num_val: int = STANDARD_VAL_NODES, num_extra: int = 300, num_test: int = 200,
                               missing_test: int = 0, num_features: int = 150, seed: int = 0) -> SyntheticPlanetoid:
     """Write `ind.<dataset>.*` in the exact Planetoid format from random ground truth.
 
@@ -178,15 +187,22 @@ class PlanetoidFolder:
 
 
 @pytest.fixture(scope="session")
-def planetoid_folder(tmp_path_factory: pytest.TempPathFactory) -> PlanetoidFolder:
-    from stages.support.fetch import read_checksums
+def paper_protocol() -> Setup:
+    """The paper's model and optimiser as params.yaml writes them, once: not copied into any test."""
+    from stages.support.params import parse_params_yaml
 
+    params_yaml = Path(__file__).resolve().parents[1] / "params.yaml"
+    return Params.from_dict(parse_params_yaml(params_yaml.read_text())).reproduce.protocol["cora"]
+
+
+@pytest.fixture(scope="session")
+def planetoid_folder(tmp_path_factory: pytest.TempPathFactory) -> PlanetoidFolder:
     if (SHARED_PLANETOID / "SHA256SUMS").is_file():
-        return PlanetoidFolder(SHARED_PLANETOID, True, read_checksums(path=SHARED_PLANETOID / "SHA256SUMS"))
+        return PlanetoidFolder(SHARED_PLANETOID, True, parse_checksums((SHARED_PLANETOID / "SHA256SUMS").read_text()))
     folder = tmp_path_factory.mktemp("planetoid")
     for dataset, layout in SYNTHETIC_LAYOUTS.items():
         write_synthetic_planetoid(folder, dataset, **layout)
-    return PlanetoidFolder(folder, False, read_checksums(path=folder / "SHA256SUMS"))
+    return PlanetoidFolder(folder, False, parse_checksums((folder / "SHA256SUMS").read_text()))
 
 
 # The "drip" fault: far slower than any download should accept, yet each byte comes well within

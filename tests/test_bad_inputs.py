@@ -20,7 +20,8 @@ import pytest
 import torch
 from conftest import SYNTHETIC_LAYOUTS, run_stage_in_process, write_synthetic_planetoid
 
-from gat.data import file_names, graph_to_tensors, parse_planetoid
+from gat.data import graph_to_tensors, parse_planetoid
+from gat.datasets import file_names
 from gat.model import GAT, model_state
 from stages import analyze, evaluate, train
 from stages.support.params import load_params

@@ -1,4 +1,5 @@
-"""benchmarks.engine's building blocks on a small synthetic Planetoid graph: they run, train and report.
+"""The benchmark's building blocks (benchmarks.data, implementations, timing, report, engine) on a small
+synthetic Planetoid graph: they run, train and report.
 
 No wall-clock time is asserted: these machines are shared, and `make bench` is where speed is measured.
 """
@@ -13,7 +14,7 @@ import pytest
 import torch
 from conftest import SYNTHETIC_LAYOUTS, write_synthetic_planetoid
 
-from benchmarks import engine as bench
+from benchmarks import data as bench_data, engine, implementations, report as bench_report, timing
 from gat.data import Graph
 from stages.support.files import write_json
 from stages.support.params import StageError
@@ -30,22 +31,22 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def graph(folder: Path) -> Graph:
-    return bench.load_graph(folder, verify=False)  # synthetic files do not match the pinned checksums
+    return bench_data.load_graph(folder, verify=False)  # synthetic files do not match the pinned checksums
 
 
 def test_missing_data_folder_says_to_pass_data_dir(tmp_path: Path) -> None:
     with pytest.raises(StageError, match="--data-dir"):
-        bench.load_graph(tmp_path / "nowhere")
+        bench_data.load_graph(tmp_path / "nowhere")
 
 
 def test_synthetic_files_fail_the_checksum_check(folder: Path) -> None:
     with pytest.raises(StageError, match="SHA-256"):
-        bench.read_raw(folder, verify=True)
+        bench_data.read_raw(folder, verify=True)
 
 
 def test_main_exits_with_a_clear_message_without_data(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--data-dir", str(tmp_path), "--out", str(tmp_path / "b.json")])
+        engine.main(["--data-dir", str(tmp_path), "--out", str(tmp_path / "b.json")])
     assert exit_info.value.code == 2
     assert "--data-dir" in capsys.readouterr().err
 
@@ -56,23 +57,23 @@ def test_main_exits_with_a_clear_message_without_data(tmp_path: Path, capsys: py
 def default_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
     """(shared, downloaded): the two default folders, moved to where a test can make or remove them."""
     shared, downloaded = tmp_path / "shared" / "datasets" / "planetoid", tmp_path / "data" / "raw" / "cora"
-    monkeypatch.setattr(bench, "SHARED_DATA_DIR", shared)
-    monkeypatch.setattr(bench, "DOWNLOADED_DATA_DIR", downloaded)
+    monkeypatch.setattr(bench_data, "SHARED_DATA_DIR", shared)
+    monkeypatch.setattr(bench_data, "DOWNLOADED_DATA_DIR", downloaded)
     return shared, downloaded
 
 
 def test_default_data_dir_is_the_shared_copy_else_the_download(default_folders: tuple[Path, Path]) -> None:
     shared, downloaded = default_folders
     downloaded.mkdir(parents=True)
-    assert bench.default_data_dir() == downloaded
+    assert bench_data.default_data_dir() == downloaded
     shared.mkdir(parents=True)
-    assert bench.default_data_dir() == shared
+    assert bench_data.default_data_dir() == shared
 
 
 def test_without_either_folder_main_says_in_one_line_to_run_make_repro_or_pass_data_dir(
         default_folders: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--out", str(tmp_path / "b.json")])
+        engine.main(["--out", str(tmp_path / "b.json")])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and error.startswith("error: ")
@@ -86,18 +87,18 @@ def test_the_downloaded_folder_is_verified_against_the_pinned_checksums(
     downloaded.parent.mkdir(parents=True)
     downloaded.symlink_to(folder)  # synthetic files: they must be refused, before anything is timed
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--out", str(tmp_path / "b.json")])
+        engine.main(["--out", str(tmp_path / "b.json")])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert "SHA-256" in error and str(downloaded) in error
 
 
 @pytest.mark.parametrize("build, replicas", [
-    (bench.build_engine, 1),
-    (lambda g: bench.build_engine(g, seeds=[0, 1, 2]), 3),
-    (lambda g: bench.build_engine(g, per_epoch_validation=True), 1),
-    (bench.build_pyg, 1),
-    (lambda g: bench.build_dense(g, DENSE_NODES), 1),
+    (implementations.build_engine, 1),
+    (lambda g: implementations.build_engine(g, seeds=[0, 1, 2]), 3),
+    (lambda g: implementations.build_engine(g, per_epoch_validation=True), 1),
+    (implementations.build_pyg, 1),
+    (lambda g: implementations.build_dense(g, DENSE_NODES), 1),
 ], ids=["engine", "engine_batched", "engine_epoch_validation", "pyg", "dense"])
 def test_every_implementation_trains_and_evaluates(graph: Graph, build, replicas: int) -> None:
     runner = build(graph)
@@ -112,13 +113,14 @@ def test_every_implementation_trains_and_evaluates(graph: Graph, build, replicas
 
 
 def test_eval_pass_is_deterministic_dropout_off(graph: Graph) -> None:
-    for runner in (bench.build_engine(graph), bench.build_pyg(graph), bench.build_dense(graph, DENSE_NODES)):
+    for runner in (implementations.build_engine(graph), implementations.build_pyg(graph),
+                   implementations.build_dense(graph, DENSE_NODES)):
         runner.train_step()
         assert torch.equal(runner.eval_pass()[0], runner.eval_pass()[0])
 
 
 def test_dense_inputs_are_the_induced_subgraph_with_self_loops(graph: Graph) -> None:
-    inputs = bench.dense_inputs(graph, DENSE_NODES)
+    inputs = implementations.dense_inputs(graph, DENSE_NODES)
     adj = inputs.adj_mat[..., 0]
     assert inputs.x.shape == (DENSE_NODES, graph.num_features) and adj.shape == (DENSE_NODES, DENSE_NODES)
     assert torch.equal(adj.diagonal(), torch.ones(DENSE_NODES))
@@ -131,40 +133,41 @@ def test_dense_inputs_are_the_induced_subgraph_with_self_loops(graph: Graph) -> 
 
 def test_dense_node_count_is_the_whole_graph_only_when_it_fits() -> None:
     n = 2708
-    needed = bench.dense_peak_bytes(n)
-    assert bench.dense_node_count(n, available_bytes=2 * needed, share=1.0) == n
-    smaller = bench.dense_node_count(n, available_bytes=needed // 4, share=1.0)
-    assert smaller < n and bench.dense_peak_bytes(smaller) <= needed // 4 < bench.dense_peak_bytes(smaller + 2)
+    needed = implementations.dense_peak_bytes(n)
+    assert implementations.dense_node_count(n, available_bytes=2 * needed, share=1.0) == n
+    smaller = implementations.dense_node_count(n, available_bytes=needed // 4, share=1.0)
+    peak = implementations.dense_peak_bytes
+    assert smaller < n and peak(smaller) <= needed // 4 < peak(smaller + 2)
 
 
 def test_describe_dense_graph(graph: Graph) -> None:
-    assert bench.describe_dense_graph(graph, graph.num_nodes) == "full Cora"
-    assert bench.describe_dense_graph(graph, DENSE_NODES).startswith(f"subgraph of {DENSE_NODES} nodes")
+    assert implementations.describe_dense_graph(graph, graph.num_nodes) == "full Cora"
+    assert implementations.describe_dense_graph(graph, DENSE_NODES).startswith(f"subgraph of {DENSE_NODES} nodes")
 
 
 def test_interleaved_schedule_spreads_every_case() -> None:
-    schedule = bench.interleaved_schedule({"fast": 30, "other": 30, "slow": 3})
+    schedule = timing.interleaved_schedule({"fast": 30, "other": 30, "slow": 3})
     assert [schedule.count(key) for key in ("fast", "other", "slow")] == [30, 30, 3]
     slow_at = [i for i, key in enumerate(schedule) if key == "slow"]
     assert slow_at[0] > len(schedule) // 4 and slow_at[-1] == len(schedule) - 1  # not bunched at the start
 
 
 def test_peak_rss_is_positive_and_the_baseline_runs_in_a_fresh_process() -> None:
-    assert bench.own_peak_rss_mb() > 0
-    assert 0 < bench.baseline_rss_mb()
+    assert timing.own_peak_rss_mb() > 0
+    assert 0 < timing.baseline_rss_mb()
 
 
 @pytest.fixture(scope="module")
 def report(graph: Graph, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A whole report from a few real (untimed-for-assertion) measurements, without the peak processes."""
-    listed = bench.cases(graph, repeats=3, warmup=1, dense_repeats=1, dense_warmup=0, batched_seeds=2,
+    listed = timing.cases(graph, repeats=3, warmup=1, dense_repeats=1, dense_warmup=0, batched_seeds=2,
                          dense_nodes=DENSE_NODES)
-    samples, others = bench.measure(graph, listed, log=lambda message: None)
+    samples, others = timing.measure(graph, listed, log=lambda message: None)
     assert 0 <= others <= 1
     peaks = {case.key: {"peak_rss_mb": 1.0 + i, "epochs": 1} for i, case in enumerate(listed)}
-    entries = {case.key: bench.summarise(case, samples[case.key], peaks[case.key]) for case in listed}
-    reference = bench.add_ratios(entries, listed)
-    built = bench.build_report(entries, reference, bench.machine(), graph, baseline_mb=0.5)
+    entries = {case.key: bench_report.summarise(case, samples[case.key], peaks[case.key]) for case in listed}
+    reference = bench_report.add_ratios(entries, listed)
+    built = bench_report.build_report(entries, reference, bench_report.machine(), graph, baseline_mb=0.5)
     path = tmp_path_factory.mktemp("report") / "benchmark.json"
     write_json(path, built)
     return json.loads(path.read_text())
@@ -203,9 +206,9 @@ def test_batched_row_is_per_seed(report: dict) -> None:
 
 
 def test_targets_and_table(report: dict) -> None:
-    assert set(report["targets"]) == set(bench.TARGETS)
+    assert set(report["targets"]) == set(bench_report.TARGETS)
     assert report["targets"]["peak_rss_mb"]["met"] is True  # the fake peak above: 1 MB
-    table = bench.format_table(report)
+    table = bench_report.format_table(report)
     assert "| implementation | threads | graph | train step ms | eval ms | peak RSS MB |" in table
     for entry in report["implementations"].values():
         assert f"| {entry['label']} |" in table

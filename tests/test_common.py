@@ -138,7 +138,8 @@ def test_a_float_without_a_dot_reads_as_dvc_reads_it(tmp_path: Path) -> None:
     assert parse_params_yaml("lr: 5e-3\nbig: 1E9\nepochs: 5\nname: e5") == {"lr": 0.005, "big": 1e9, "epochs": 5,
                                                                            "name": "e5"}
     text = (REPO / "params.yaml").read_text()
-    train_lr = re.search(r"^train:.*\n(?:  .*\n)*?    lr: 0\.005\n", text, re.MULTILINE)
-    assert train_lr is not None
-    changed = text[:train_lr.end()].replace("lr: 0.005\n", "lr: 7e-3\n") + text[train_lr.end():]
+    # The paper's lr, which train merges from x-paper-protocol.
+    paper_lr = re.search(r"^x-paper-protocol:.*\n(?:  .*\n)*?    lr: 0\.005\n", text, re.MULTILINE)
+    assert paper_lr is not None
+    changed = text[:paper_lr.end()].replace("lr: 0.005\n", "lr: 7e-3\n") + text[paper_lr.end():]
     assert load_params(_write(tmp_path, changed)).train.optim.lr == 0.007

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gat.config import DATASETS, ModelConfig, OptimConfig, Params, ParamsError, Setup, flatten
+from gat.config import ModelConfig, OptimConfig, Params, ParamsError, Setup, flatten
+from gat.datasets import DATASETS
 
 PARAMS_YAML = Path(__file__).resolve().parents[1] / "params.yaml"
 
@@ -136,7 +138,7 @@ def test_flatten_gives_dotted_keys(raw) -> None:
         if isinstance(node, dict):
             return set().union(*(leaves(v, f"{prefix}.{k}" if prefix else k) for k, v in node.items()))
         return {prefix}
-    assert set(flat) == leaves(raw)
+    assert set(flat) == leaves({key: value for key, value in raw.items() if not key.startswith("x-")})
     assert flatten(params.train.model, "train.model") == {k: v for k, v in flat.items()
                                                           if k.startswith("train.model.")}
 
@@ -147,6 +149,40 @@ def test_every_dataset_has_one_block_used_by_train_and_reproduce_alike(raw) -> N
     assert params.train.setup == params.reproduce.protocol[params.train.dataset]  # the committed defaults agree
     pubmed_like = _set(raw, "reproduce.protocol.citeseer.model.output_heads", 8)
     assert Params.from_dict(pubmed_like).reproduce.protocol["citeseer"].model.output_heads == 8
+
+
+def test_the_papers_protocol_is_written_once_and_merged_everywhere(raw) -> None:
+    """params.yaml's `x-paper-protocol` holds the anchors; train and every dataset's protocol merge them."""
+    text = PARAMS_YAML.read_text()
+    assert text.count("lr: 0.005") == 1 and text.count("hidden_features: 8") == 1
+    paper = Setup(ModelConfig(**raw["x-paper-protocol"]["model"]), OptimConfig(**raw["x-paper-protocol"]["optim"]))
+    params = Params.from_dict(raw)
+    assert params.train.setup == paper and all(setup == paper for setup in params.reproduce.protocol.values())
+
+
+def test_dvc_exp_run_set_param_changes_only_the_block_it_names(tmp_path: Path) -> None:
+    """`dvc exp run -S` rewrites params.yaml through ruamel, setting every key again: a merged block keeps its own
+    value, where a shared alias would let the last block written win."""
+    from dvc.utils.hydra import apply_overrides
+
+    from stages.support.params import parse_params_yaml
+
+    copied = tmp_path / "params.yaml"
+    copied.write_text(PARAMS_YAML.read_text())
+    before = Params.from_dict(parse_params_yaml(copied.read_text()))
+    apply_overrides(copied, ["train.optim.lr=0.01", "reproduce.protocol.citeseer.model.heads=4"])
+    after = Params.from_dict(parse_params_yaml(copied.read_text()))
+    assert after.train.optim.lr == 0.01 and after.reproduce.protocol["citeseer"].model.heads == 4
+    replace = dataclasses.replace
+    citeseer = before.reproduce.protocol["citeseer"]
+    citeseer = replace(citeseer, model=replace(citeseer.model, heads=4))
+    expected = replace(before, train=replace(before.train, optim=replace(before.train.optim, lr=0.01)),
+                       reproduce=replace(before.reproduce, protocol=before.reproduce.protocol | {"citeseer": citeseer}))
+    assert after == expected
+
+
+def test_top_level_x_keys_hold_anchors_and_are_not_parameters(raw) -> None:
+    assert Params.from_dict(raw | {"x-anything": {"lr": 1}}) == Params.from_dict(raw)
 
 
 @pytest.mark.parametrize("document", [["cora"], "just text", 42])

@@ -14,7 +14,8 @@ import torch
 from conftest import SYNTHETIC_LAYOUTS, PlanetoidFolder, SyntheticPlanetoid, write_synthetic_planetoid
 
 from gat import data
-from gat.data import Graph, describe, file_names, graph_from_tensors, graph_to_tensors, parse_planetoid, random_split
+from gat.datasets import PARTS, file_names
+from gat.data import Graph, describe, graph_from_tensors, graph_to_tensors, parse_planetoid, random_split
 
 
 def _read(folder: Path, dataset: str) -> dict[str, bytes]:
@@ -37,7 +38,7 @@ class _Exploit:
 def test_file_names_follow_parts() -> None:
     assert file_names("cora")[0] == "ind.cora.x"
     assert file_names("cora")[-1] == "ind.cora.test.index"
-    assert len(file_names("citeseer")) == len(data.PARTS) == 8
+    assert len(file_names("citeseer")) == len(PARTS) == 8
 
 
 def test_unpickler_refuses_code_execution() -> None:

@@ -12,6 +12,7 @@ import mlflow
 import pytest
 from conftest import LoopbackServer, PlanetoidFolder, run_stage_in_process
 
+from gat import datasets
 from stages import download
 from stages.support import fetch
 from stages.support.params import StageError, load_params
@@ -26,7 +27,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planetoid_folder: P
     shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    monkeypatch.setattr(fetch, "CHECKSUMS", planetoid_folder.path / "SHA256SUMS")
+    monkeypatch.setattr(datasets, "CHECKSUMS", planetoid_folder.path / "SHA256SUMS")
     monkeypatch.setattr(fetch, "BACKOFF_S", 0.0)
     return tmp_path
 

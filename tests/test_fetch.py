@@ -10,7 +10,7 @@ from typing import Callable
 import pytest
 from conftest import LoopbackServer, PlanetoidFolder
 
-from gat.data import file_names
+from gat.datasets import file_names, sha256_file
 from stages.support import fetch
 from stages.support.files import atomic_dir
 from stages.support.params import StageError
@@ -37,7 +37,7 @@ def test_good_download_is_verified(planetoid_folder: PlanetoidFolder, planetoid_
     sizes = _fetch_into(out, planetoid_url, _expected(planetoid_folder))
     assert sorted(path.name for path in out.iterdir()) == sorted(NAMES)
     assert sizes == {name: (planetoid_folder.path / name).stat().st_size for name in NAMES}
-    assert {name: fetch.sha256_file(out / name) for name in NAMES} == _expected(planetoid_folder)
+    assert {name: sha256_file(out / name) for name in NAMES} == _expected(planetoid_folder)
 
 
 def test_wrong_checksum_fails_and_leaves_nothing(planetoid_folder: PlanetoidFolder, planetoid_url: str,
@@ -83,7 +83,7 @@ def test_503_then_200_succeeds(planetoid_folder: PlanetoidFolder, serve_folder: 
     server = serve_folder(planetoid_folder.path, faults={"ind.cora.x": ["503", "503"]})
     _fetch_into(tmp_path / "cora", server.base_url, _expected(planetoid_folder), retries=2)
     assert server.requests.count("ind.cora.x") == 3
-    assert fetch.sha256_file(tmp_path / "cora" / "ind.cora.x") == planetoid_folder.checksums["ind.cora.x"]
+    assert sha256_file(tmp_path / "cora" / "ind.cora.x") == planetoid_folder.checksums["ind.cora.x"]
 
 
 def test_404_fails_at_once_naming_the_url(planetoid_folder: PlanetoidFolder,
@@ -136,19 +136,6 @@ def test_bad_mirror_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, mirror: st
 def test_mirror_folder_missing_a_file(planetoid_folder: PlanetoidFolder, tmp_path: Path) -> None:
     with pytest.raises(StageError, match="ind.cora.x is missing from the GAT_DATA_MIRROR folder"):
         _fetch_into(tmp_path / "cora", tmp_path, _expected(planetoid_folder))
-
-
-def test_pinned_checksums_cover_both_datasets() -> None:
-    pinned = fetch.read_checksums(file_names("cora") + file_names("citeseer"))
-    assert len(pinned) == 16 and all(len(digest) == 64 for digest in pinned.values())
-    with pytest.raises(StageError, match="ind.pubmed.x.*not pinned"):
-        fetch.read_checksums(["ind.pubmed.x"])
-
-
-def test_pinned_checksums_match_the_real_files(planetoid_folder: PlanetoidFolder) -> None:
-    if not planetoid_folder.real:
-        pytest.skip("the real Planetoid files (../shared/datasets/planetoid) are not here")
-    assert fetch.read_checksums() == planetoid_folder.checksums
 
 
 def test_read_verified_refuses_a_changed_file(planetoid_folder: PlanetoidFolder, tmp_path: Path) -> None:

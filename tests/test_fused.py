@@ -15,10 +15,11 @@ import torch
 from test_training import assert_same_replica  # one definition of "the same run, bit for bit"
 
 from gat import fused
-from gat.config import ModelConfig, OptimConfig
-from gat.data import Graph, file_names, parse_planetoid
+from gat.config import ModelConfig, OptimConfig, Setup
+from gat.data import Graph, parse_planetoid
+from gat.datasets import file_names
 from gat.dropout import ReplicaDropout
-from gat.fused_check import CASES, PAPER, check_double_precision, check_step, check_validation, checks, random_graph
+from gat.fused_check import CASES, check_double_precision, check_step, check_validation, checks, random_graph
 from gat.model import GAT
 from gat.training import GraphTensors, NodeView, train, train_step
 
@@ -60,20 +61,21 @@ def test_step_equals_the_torch_path_on_random_graphs(name: str) -> None:
     checks(fused.library())[name]()
 
 
-def test_step_and_validation_equal_the_torch_path_on_cora(cora: GraphTensors) -> None:
+def test_step_and_validation_equal_the_torch_path_on_cora(cora: GraphTensors, paper_protocol: Setup) -> None:
     seeds = [0, 1]
-    model = GAT(PAPER, cora.x.num_features, cora.num_classes, seeds)
+    paper = paper_protocol.model
+    model = GAT(paper, cora.x.num_features, cora.num_classes, seeds)
     lib = fused.library()
-    check_step(lib, model, NodeView.of(cora, cora.train_idx, 2), ReplicaDropout(seeds, PAPER.dropout), "Cora")
+    check_step(lib, model, NodeView.of(cora, cora.train_idx, 2), ReplicaDropout(seeds, paper.dropout), "Cora")
     check_validation(lib, model, NodeView.of(cora, cora.val_idx, 2), "Cora")
 
 
-def test_double_precision_gradients() -> None:
+def test_double_precision_gradients(paper_protocol: Setup) -> None:
     """In float64 the fused backward pass equals autograd's through the torch layers, and finite differences."""
     model = check_double_precision(fused.library())  # raises Disagreement, naming the parameter
     graph = GraphTensors.from_graph(random_graph(num_nodes=50, num_features=20, num_classes=3, edges=120, seed=3))
     view = NodeView.of(graph, graph.train_idx, 2)
-    noise = ReplicaDropout([4, 8], PAPER.dropout)
+    noise = ReplicaDropout([4, 8], paper_protocol.model.dropout)
     plan = fused.model_plan(model, view.x, view.blocks, view.labels, torch.float64)
 
     def fused_loss(noise_copy: ReplicaDropout) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -97,7 +99,7 @@ def test_double_precision_gradients() -> None:
             assert abs(numeric - f_grad.view(-1)[i].item()) <= 1e-6 * max(1.0, abs(numeric)), (name, i)
 
 
-def test_adam_steps_follow_the_torch_path_on_cora(cora: GraphTensors) -> None:
+def test_adam_steps_follow_the_torch_path_on_cora(cora: GraphTensors, paper_protocol: Setup) -> None:
     """Twenty epochs (step and validation pass): the same trajectory, within what float32 rounding lets Adam drift.
 
     Adam divides each gradient by its own running magnitude, so where the data gradient nearly cancels
@@ -105,12 +107,13 @@ def test_adam_steps_follow_the_torch_path_on_cora(cora: GraphTensors) -> None:
     part slowly from there (tens of epochs), as float32 and float64 runs of the torch path do.
     """
     seeds = [0, 1]
-    reference = GAT(PAPER, cora.x.num_features, cora.num_classes, seeds)
+    paper, optim = paper_protocol.model, paper_protocol.optim
+    reference = GAT(paper, cora.x.num_features, cora.num_classes, seeds)
     model = copy.deepcopy(reference)
     train_view, val_view = (NodeView.of(cora, nodes, 2) for nodes in (cora.train_idx, cora.val_idx))
-    optimiser = torch.optim.Adam(reference.parameters(), lr=0.005, weight_decay=5e-4)
-    trainer = fused.FusedTrainer(model, 0.005, 5e-4, train_view, val_view)
-    noise, fused_noise = ReplicaDropout(seeds, PAPER.dropout), ReplicaDropout(seeds, PAPER.dropout)
+    optimiser = torch.optim.Adam(reference.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+    trainer = fused.FusedTrainer(model, optim.lr, optim.weight_decay, train_view, val_view)
+    noise, fused_noise = ReplicaDropout(seeds, paper.dropout), ReplicaDropout(seeds, paper.dropout)
     for _ in range(20):
         loss, _ = train_step(reference, optimiser, train_view, noise)
         f_loss, _ = trainer.step(fused_noise)
@@ -181,21 +184,21 @@ def test_a_failed_build_says_why(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_the_benchmark_times_the_fused_kernel_and_compares_the_kernels(cora_graph: Graph) -> None:
-    from benchmarks import engine as bench
+    from benchmarks import implementations, report as bench_report, throughput
 
-    runner = bench.build_fused(cora_graph, seeds=(0, 1))
+    runner = implementations.build_fused(cora_graph, seeds=(0, 1))
     before, _ = runner.eval_pass()
     losses = torch.stack([runner.train_step() for _ in range(2)])
     assert losses.shape == (2, 2) and torch.isfinite(losses).all()
     after, accuracy = runner.eval_pass()
     assert (after != before).all() and ((0 <= accuracy) & (accuracy <= 1)).all()
 
-    throughput = bench.reproduce_throughput(cora_graph, seeds=2, epochs=2, rounds=1)
+    throughput = throughput.reproduce_throughput(cora_graph, seeds=2, epochs=2, rounds=1)
     rates = throughput["seed_epochs_per_s"]
     assert set(rates) == {"fused", "torch"} and min(rates.values()) > 0
     assert throughput["fused_vs_torch"] == pytest.approx(rates["fused"] / rates["torch"])
-    assert throughput["met"] == (throughput["fused_vs_torch"] >= bench.FUSED_SPEEDUP_TARGET)
-    checks = bench.check_targets({"train_step_vs_pyg": 0.03, "eval_vs_pyg": 0.2}, bench.FUSED_TARGETS)
+    assert throughput["met"] == (throughput["fused_vs_torch"] >= bench_report.FUSED_SPEEDUP_TARGET)
+    checks = bench_report.check_targets({"train_step_vs_pyg": 0.03, "eval_vs_pyg": 0.2}, bench_report.FUSED_TARGETS)
     assert checks["train_step_vs_pyg"]["met"] is True and checks["eval_vs_pyg"]["met"] is False
     assert checks["peak_rss_mb"]["met"] is None
 

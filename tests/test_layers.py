@@ -90,7 +90,7 @@ def test_matches_the_dense_tutorial_layer(is_concat: bool, heads: int, sparse: b
 def test_isolated_nodes_attend_to_themselves_only() -> None:
     n = 9
     neighbourhoods = random_graph(n, 20, seed=4, isolated=3)
-    layer = randomise(GraphAttentionLayer(6, 4, 2), seed=4, biases=False)
+    layer = randomise(GraphAttentionLayer(6, 4, 2, dropout=0.6, leaky_relu_negative_slope=0.2), seed=4, biases=False)
     x = random_features(n, 6, seed=4, density=1.0)
     with torch.no_grad():
         out = layer(x.unsqueeze(1), neighbourhoods)
@@ -108,7 +108,8 @@ def test_replica_equals_a_one_replica_layer_with_its_parameters(is_concat: bool,
     n, f_in, heads, f_out, replicas = 15, 7, 2, 3, 3
     neighbourhoods = random_graph(n, 35, seed=5)
     batch = randomise(GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads, is_concat=is_concat,
-                                          n_replicas=replicas), seed=5).train(mode == "train")
+                                          n_replicas=replicas,
+                                          dropout=0.6, leaky_relu_negative_slope=0.2), seed=5).train(mode == "train")
     if sparse:
         x = SparseFeatures.from_csr(random_features(n, f_in, seed=5))
         inputs = [x] * replicas
@@ -120,7 +121,8 @@ def test_replica_equals_a_one_replica_layer_with_its_parameters(is_concat: bool,
     assert out.shape == (n, replicas, heads * f_out if is_concat else f_out)
     for r in range(replicas):
         single = GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads,
-                                     is_concat=is_concat).train(mode == "train")
+                                     is_concat=is_concat,
+                                     dropout=0.6, leaky_relu_negative_slope=0.2).train(mode == "train")
         single.load_state_dict({name: p[r:r + 1] for name, p in batch.state_dict().items()})
         with torch.no_grad():
             assert torch.equal(out[:, r:r + 1], single(inputs[r], neighbourhoods)), r
@@ -134,7 +136,8 @@ def test_inference_layout_equals_the_training_layout(is_concat: bool, heads: int
     n, f_in, f_out, replicas = 31, 10, 5, 3
     neighbourhoods = random_graph(n, 90, seed=8)
     layer = randomise(GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads, is_concat=is_concat,
-                                          n_replicas=replicas, activation=torch.nn.functional.elu), seed=8)
+                                          n_replicas=replicas, activation=torch.nn.functional.elu,
+                                          dropout=0.6, leaky_relu_negative_slope=0.2), seed=8)
     if sparse:
         x = SparseFeatures.from_csr(random_features(n, f_in, seed=8))
     else:
@@ -155,7 +158,8 @@ def test_the_mode_not_autograd_picks_the_layout(sparse: bool) -> None:
     and training mode under no_grad (no noise: no dropout) still runs block-major."""
     n, f_in, replicas = 31, 10, 3
     neighbourhoods = random_graph(n, 90, seed=9)
-    layer = randomise(GraphAttentionLayer(f_in, 6, 3, n_replicas=replicas, activation=torch.nn.functional.elu), seed=9)
+    layer = randomise(GraphAttentionLayer(f_in, 6, 3, n_replicas=replicas, activation=torch.nn.functional.elu,
+                                          dropout=0.6, leaky_relu_negative_slope=0.2), seed=9)
     if sparse:
         x = SparseFeatures.from_csr(random_features(n, f_in, seed=9))
     else:
@@ -173,7 +177,7 @@ def test_the_mode_not_autograd_picks_the_layout(sparse: bool) -> None:
 
 
 def test_eval_mode_refuses_dropout_noise() -> None:
-    layer = GraphAttentionLayer(4, 4, 2).eval()
+    layer = GraphAttentionLayer(4, 4, 2, dropout=0.6, leaky_relu_negative_slope=0.2).eval()
     with pytest.raises(ValueError, match="eval mode"):
         layer(torch.randn(6, 1, 4), random_graph(6, 10, seed=0), ReplicaDropout([0], 0.5))
 
@@ -190,7 +194,8 @@ def test_gradients_match_autograd_through_the_dense_formulation(is_concat: bool,
     neighbourhoods = random_graph(n, 30, seed=6)
     x = random_features(n, f_in, seed=6, dtype=torch.float64)
     layer = randomise(GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads,
-                                          is_concat=is_concat, leaky_relu_negative_slope=0.2).double(), seed=6)
+                                          is_concat=is_concat, leaky_relu_negative_slope=0.2,
+                                          dropout=0.6).double(), seed=6)
     layer.train(mode == "train")
     assert layer.b_target.abs().min() > 0 and layer.b_source.abs().min() > 0
     weights = torch.randn(n, heads * f_out if is_concat else f_out, dtype=torch.float64,
@@ -215,7 +220,8 @@ def test_gradcheck_the_whole_layer_on_sparse_input(mode: str) -> None:
     n, f_in = 7, 5
     neighbourhoods = random_graph(n, 14, seed=8, isolated=1)
     x = SparseFeatures.from_csr(random_features(n, f_in, seed=8, dtype=torch.float64))
-    layer = randomise(GraphAttentionLayer(f_in, 4, 2, n_replicas=2).double(), seed=8).train(mode == "train")
+    layer = GraphAttentionLayer(f_in, 4, 2, n_replicas=2, dropout=0.6, leaky_relu_negative_slope=0.2)
+    layer = randomise(layer.double(), seed=8).train(mode == "train")
     names = [name for name, _ in layer.named_parameters()]
 
     def run(*parameters: torch.Tensor) -> torch.Tensor:
@@ -255,7 +261,8 @@ def test_a_plan_is_never_handed_to_another_structure(mode: str) -> None:
     first = random_graph(n, 60, seed=16)
     second = Neighbourhoods((first.source + 1) % n, first.target, n, n)  # the same degrees, other neighbours
     second.__dict__["crow"] = first.crow  # where cached_property keeps it: one storage, one data_ptr
-    layer = randomise(GraphAttentionLayer(6, 4, 2, n_replicas=replicas), seed=16).train(mode == "train")
+    layer = randomise(GraphAttentionLayer(6, 4, 2, n_replicas=replicas,
+                                          dropout=0.6, leaky_relu_negative_slope=0.2), seed=16).train(mode == "train")
     x = torch.randn(n, replicas, 6, generator=torch.Generator().manual_seed(16))
     with torch.no_grad():
         expected = copy.deepcopy(layer)(x, Neighbourhoods(second.source, second.target, n, n))
@@ -268,7 +275,8 @@ def test_plans_live_on_the_structures_they_index_and_die_with_them(mode: str) ->
     n, replicas = 20, 2
     neighbourhoods = random_graph(n, 60, seed=17)
     x = SparseFeatures.from_csr(random_features(n, 6, seed=17))
-    layer = randomise(GraphAttentionLayer(6, 4, 2, n_replicas=replicas), seed=17).train(mode == "train")
+    layer = randomise(GraphAttentionLayer(6, 4, 2, n_replicas=replicas,
+                                          dropout=0.6, leaky_relu_negative_slope=0.2), seed=17).train(mode == "train")
     layer(x, neighbourhoods).sum().backward()
     # Training mode: a block plan of x and one of the neighbourhoods; eval mode: the neighbourhoods' inference plan.
     plans = [*x._memo.values(), *neighbourhoods._memo.values()]
@@ -355,7 +363,8 @@ def test_the_csr_beta_warning_is_silenced_where_gat_makes_csr_tensors_and_nowher
 def cora_sized(planetoid_folder) -> tuple[torch.Tensor, torch.Tensor]:
     """(x [N, F_in] dense, edge_index [2, E]): the real Cora when it is there, else random data of its size."""
     if planetoid_folder.real:
-        from gat.data import file_names, parse_planetoid
+        from gat.data import parse_planetoid
+        from gat.datasets import file_names
 
         folder = Path(planetoid_folder.path)
         graph = parse_planetoid({name: (folder / name).read_bytes() for name in file_names("cora")}, "cora")
@@ -383,7 +392,7 @@ def test_matches_pyg_gatconv(cora_sized, is_concat: bool, heads: int, f_out: int
         conv.att_dst.normal_()
         conv.bias.normal_()
     layer = GraphAttentionLayer(f_in, heads * f_out if is_concat else f_out, heads, is_concat=is_concat,
-                                leaky_relu_negative_slope=0.2).eval()
+                                leaky_relu_negative_slope=0.2, dropout=0.6).eval()
     with torch.no_grad():
         layer.W[0] = conv.lin.weight.view(heads, f_out, f_in).transpose(1, 2)
         layer.a_source[0] = conv.att_src[0]
@@ -470,7 +479,7 @@ class RecordingDropout(ReplicaDropout):
 def test_dropout_changes_the_output_deterministically(sparse: bool) -> None:
     n, f_in, p = 40, 12, 0.6
     neighbourhoods = random_graph(n, 200, seed=14)
-    layer = randomise(GraphAttentionLayer(f_in, 8, 2, dropout=p, n_replicas=2), seed=14)
+    layer = randomise(GraphAttentionLayer(f_in, 8, 2, dropout=p, n_replicas=2, leaky_relu_negative_slope=0.2), seed=14)
     x = random_features(n, f_in, seed=14, density=0.5)
     x = SparseFeatures.from_csr(x) if sparse else x.unsqueeze(1).expand(n, 2, f_in)
     with torch.no_grad():
@@ -501,7 +510,8 @@ def test_dropout_hits_the_input_the_transformed_features_and_the_attention(f_in:
     """
     n, heads, f_out, p = 200, 4, 8, 0.6
     neighbourhoods = Neighbourhoods.from_edge_index(torch.empty(2, 0, dtype=torch.long), n)
-    layer = randomise(GraphAttentionLayer(f_in, heads * f_out, heads, dropout=p, n_replicas=2), seed=15, biases=False)
+    layer = randomise(GraphAttentionLayer(f_in, heads * f_out, heads, dropout=p, n_replicas=2,
+                                          leaky_relu_negative_slope=0.2), seed=15, biases=False)
     x = torch.rand(n, f_in, generator=torch.Generator().manual_seed(15)) + 0.5
     with torch.no_grad():
         out = layer(as_input(x, sparse) if sparse else x.unsqueeze(1).expand(n, 2, f_in), neighbourhoods,

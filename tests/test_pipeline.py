@@ -213,6 +213,10 @@ def test_reproduce_logs_a_parent_per_dataset_and_a_child_per_seed(pipeline: Pipe
             assert parent.info.start_time <= child.info.start_time < child.info.end_time <= parent.info.end_time
         mean = sum(run.data.metrics["test_acc"] for run in children) / len(children)
         assert parent.data.metrics["test_acc_mean"] == pytest.approx(mean)
+        # One name per metric: the parent's MLflow metrics are named as reports/reproduction.json names them.
+        reported = json.loads((pipeline.root / "reports/reproduction.json").read_text())[name]
+        for key in ("test_acc_ci95_low", "test_acc_ci95_high", "val_acc_ci95_low", "val_acc_ci95_high"):
+            assert parent.data.metrics[key] == pytest.approx(reported[key])
         artifacts = {item.path for item in pipeline.client.list_artifacts(parent.info.run_id)}
         assert {"report.md", "test_acc_histogram.png"} <= artifacts
 

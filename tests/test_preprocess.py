@@ -14,8 +14,9 @@ import pytest
 import torch
 from conftest import PlanetoidFolder, run_stage_in_process
 
-from gat import data
-from gat.data import file_names, graph_from_tensors
+from gat import data, datasets
+from gat.data import graph_from_tensors
+from gat.datasets import file_names
 from stages import preprocess
 from stages.support import fetch
 from stages.support.params import StageError
@@ -30,10 +31,10 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planetoid_folder: P
     (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    monkeypatch.setattr(fetch, "CHECKSUMS", planetoid_folder.path / "SHA256SUMS")
+    monkeypatch.setattr(datasets, "CHECKSUMS", planetoid_folder.path / "SHA256SUMS")
     raw = tmp_path / "data/raw/cora"
     raw.mkdir(parents=True)
-    expected = fetch.read_checksums(file_names("cora"))
+    expected = datasets.DATASETS["cora"].checksums()
     fetch.fetch(expected, planetoid_folder.path, raw, timeout_s=5, retries=0)
     return tmp_path
 
@@ -93,10 +94,10 @@ def _main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -
 def _replace_raw_file(workdir: Path, monkeypatch: pytest.MonkeyPatch, name: str, content: bytes) -> None:
     """Put `content` in place of raw file `name` and pin its checksum, as a mirror and a re-pinned list would."""
     (workdir / "data/raw/cora" / name).write_bytes(content)
-    pinned = fetch.read_checksums() | {name: hashlib.sha256(content).hexdigest()}
+    pinned = datasets.pinned_checksums() | {name: hashlib.sha256(content).hexdigest()}
     checksums = workdir / "SHA256SUMS"
     checksums.write_text("".join(f"{digest}  {file}\n" for file, digest in pinned.items()))
-    monkeypatch.setattr(fetch, "CHECKSUMS", checksums)
+    monkeypatch.setattr(datasets, "CHECKSUMS", checksums)
 
 
 def _with_nan_feature(raw: Path) -> bytes:

@@ -29,7 +29,7 @@ import mlflow
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from gat.reproduction import PAPER
+from gat.datasets import DATASETS
 from stages.support.files import write_atomic
 from stages.support.interrupts import main
 from stages.support.params import ArgumentParser, check_tracking_uri, fail, repo_root
@@ -112,7 +112,7 @@ def label(config: Configuration, keys: Sequence[str]) -> str:
 
 def by_dataset(configs: Sequence[Configuration]) -> dict[str, list[Configuration]]:
     """Per dataset (in the paper's order), best mean test accuracy first."""
-    order = {name: i for i, name in enumerate(PAPER)}
+    order = {name: i for i, name in enumerate(DATASETS)}
     grouped: dict[str, list[Configuration]] = {}
     for config in sorted(configs, key=lambda c: (order.get(c.dataset, len(order)), c.dataset,
                                                  -c.metrics["test_acc_mean"], c.run.info.run_id)):
@@ -129,13 +129,13 @@ def markdown(configs: Sequence[Configuration], keys: Sequence[str], store: str) 
              "| dvc experiment | MLflow run |",
              "|---|---|---|---|---|---|---|---|"]
     for dataset, rows in by_dataset(configs).items():
-        paper = PAPER.get(dataset)
+        paper = DATASETS[dataset].paper if dataset in DATASETS else None
         for config in rows:
             m = config.metrics
             lines.append(
                 f"| {dataset} | {label(config, keys)} | {int(m.get('seeds', 0))} "
                 f"| {pct(m['test_acc_mean'])} ± {pct(m.get('test_acc_std', float('nan')))} % "
-                f"| [{pct(m['test_acc_ci_low'])}, {pct(m['test_acc_ci_high'])}] % "
+                f"| [{pct(m['test_acc_ci95_low'])}, {pct(m['test_acc_ci95_high'])}] % "
                 f"| {f'{pct(paper.mean)} ± {pct(paper.std)} %' if paper else '-'} "
                 f"| {config.experiment or '-'} | `{config.run.info.run_id}` |")
     return "\n".join(lines) + "\n"
@@ -155,11 +155,11 @@ def figure(configs: Sequence[Configuration], keys: Sequence[str]):
     for axes, (dataset, rows) in zip(axes_list[0], grouped.items()):
         rows = rows[::-1]  # best at the top
         means = [100 * c.metrics["test_acc_mean"] for c in rows]
-        low = [mean - 100 * c.metrics["test_acc_ci_low"] for mean, c in zip(means, rows)]
-        high = [100 * c.metrics["test_acc_ci_high"] - mean for mean, c in zip(means, rows)]
+        low = [mean - 100 * c.metrics["test_acc_ci95_low"] for mean, c in zip(means, rows)]
+        high = [100 * c.metrics["test_acc_ci95_high"] - mean for mean, c in zip(means, rows)]
         positions = list(range(len(rows)))
-        if dataset in PAPER:
-            paper = PAPER[dataset]
+        if dataset in DATASETS:
+            paper = DATASETS[dataset].paper
             axes.axvspan(100 * (paper.mean - paper.std), 100 * (paper.mean + paper.std), color="orange", alpha=0.2,
                          label="paper mean ± std")
         axes.errorbar(means, positions, xerr=[low, high], fmt="o", color="#4c72b0", capsize=4,
@@ -196,7 +196,7 @@ def run() -> None:
     summary: dict[str, Any] = {"varied": keys, "configurations": [
         {"dataset": c.dataset, "configuration": label(c, keys), "params": c.params, "dvc_exp_name": c.experiment,
          "run_id": c.run.info.run_id, **{k: c.metrics.get(k) for k in (
-             "seeds", "test_acc_mean", "test_acc_std", "test_acc_ci_low", "test_acc_ci_high", "val_acc_mean")}}
+             "seeds", "test_acc_mean", "test_acc_std", "test_acc_ci95_low", "test_acc_ci95_high", "val_acc_mean")}}
         for rows in by_dataset(configs).values() for c in rows]}
     root = repo_root()
     markdown_path, plot_path = (path if path.is_absolute() else root / path for path in (args.markdown, args.plot))

@@ -1,4 +1,4 @@
-"""Fetching raw files and checking them against the pinned SHA-256 list.
+"""Fetching raw files, checked against the pinned SHA-256 list that gat.datasets holds.
 
 The source is `download.base_url`, or `GAT_DATA_MIRROR` when set: an http(s) base URL,
 or a local folder (a path, relative to the repository root, or a file:// URL).
@@ -14,7 +14,6 @@ them, but every message, log line and MLflow param shows the URL through `redact
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import shutil
@@ -24,7 +23,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, NoReturn
+from typing import Iterator, Mapping, NoReturn
 
 import requests
 import urllib3
@@ -32,10 +31,9 @@ from tqdm import tqdm
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-import gat
+from gat.datasets import DATASETS, ChecksumError, check_sha256, sha256_file, verify_raw
 from stages.support.params import fail, repo_root
 
-CHECKSUMS = Path(gat.__file__).resolve().parent / "planetoid.sha256"
 MIRROR_ENV = "GAT_DATA_MIRROR"
 
 # Seconds before retry k is BACKOFF_S * 2**k; tests set it to 0.
@@ -96,29 +94,12 @@ def _redact_text(text: str, url: str) -> str:
     return text
 
 
-def read_checksums(names: Iterable[str] | None = None, path: Path | None = None) -> dict[str, str]:
-    """File name -> SHA-256 from a `sha256sum`-format file (the pinned list by default).
-
-    With `names`, only those files, and every one of them must be listed.
-    """
-    path = path or CHECKSUMS
-    checksums = {}
-    for line in path.read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            digest, name = line.split(maxsplit=1)
-            checksums[name.lstrip("*")] = digest.lower()
-    if names is None:
-        return checksums
-    names = list(names)
-    unpinned = [name for name in names if name not in checksums]
-    if unpinned:
-        fail(f"{', '.join(unpinned)} not pinned in {path}: add their SHA-256 there (sha256sum format).")
-    return {name: checksums[name] for name in names}
-
-
-def sha256_file(path: Path) -> str:
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+def pinned(dataset: str) -> dict[str, str]:
+    """File name -> pinned SHA-256 of `dataset`'s eight raw files (gat.datasets), or a StageError saying what to pin."""
+    try:
+        return DATASETS[dataset].checksums()
+    except ChecksumError as error:
+        fail(str(error))
 
 
 def resolve_source(base_url: str) -> str | Path:
@@ -276,11 +257,6 @@ def _download(session: requests.Session, sockets: _Sockets, url: str, target: Pa
          "to a mirror.")
 
 
-def _check(name: str, actual: str, expected: str, fix: str) -> None:
-    if actual != expected:
-        fail(f"{name}: SHA-256 is {actual}, but {expected} is pinned (gat/planetoid.sha256). {fix}")
-
-
 def fetch(expected: Mapping[str, str], source: str | Path, dest: Path, *, timeout_s: float,
           retries: int) -> dict[str, int]:
     """Fetch each file named in `expected` (file name -> SHA-256) from `source` into `dest`.
@@ -305,7 +281,10 @@ def fetch(expected: Mapping[str, str], source: str | Path, dest: Path, *, timeou
                     sizes[name] = part.stat().st_size
                 else:
                     sizes[name] = _download(session, sockets, f"{source}/{name}", part, timeout_s, retries)
-                _check(name, sha256_file(part), expected[name], fix)
+                try:
+                    check_sha256(name, sha256_file(part), expected[name])
+                except ChecksumError as error:
+                    fail(f"{error} {fix}")
                 part.rename(dest / name)
             finally:
                 part.unlink(missing_ok=True)
@@ -318,12 +297,14 @@ def read_verified(folder: Path, expected: Mapping[str, str], producer: str) -> d
     `producer` is the DVC stage that makes `folder`, named in the fix.
     """
     raw = {}
-    for name, digest in expected.items():
+    for name in expected:
         path = folder / name
         if not path.is_file():
             fail(f"{path} is missing: run `dvc repro --force {producer}` to download it again.")
-        data = path.read_bytes()
-        _check(str(path), hashlib.sha256(data).hexdigest(), digest, "The file was changed or comes from "
-               f"elsewhere: run `dvc repro --force {producer}` to download it again.")
-        raw[name] = data
+        raw[name] = path.read_bytes()
+    try:
+        verify_raw(raw, expected, where=f"{folder}/")
+    except ChecksumError as error:
+        fail(f"{error} The file was changed or comes from elsewhere: run `dvc repro --force {producer}` "
+             "to download it again.")
     return raw

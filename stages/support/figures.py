@@ -11,19 +11,12 @@ matplotlib.use("Agg")  # no display on the project machines; a PNG is all MLflow
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 from matplotlib.figure import Figure  # noqa: E402
 
-# Planetoid's one-hot label columns, named. The raw files carry no names; each column was matched to its
-# subject area by its node count (Cora: 351 Theory, 217 Reinforcement_Learning, ... as in the LINQS release,
-# whose per-class counts are all distinct).
-CLASS_NAMES = {
-    "cora": ("Theory", "Reinforcement_Learning", "Genetic_Algorithms", "Neural_Networks",
-             "Probabilistic_Methods", "Case_Based", "Rule_Learning"),
-    "citeseer": ("AI", "ML", "IR", "DB", "Agents", "HCI"),
-}
+from gat.datasets import DATASETS  # noqa: E402
 
 
 def class_names(dataset: str, num_classes: int) -> list[str]:
     """The dataset's class names, or the class ids when the data does not have the known number of classes."""
-    names = CLASS_NAMES.get(dataset, ())
+    names = DATASETS[dataset].class_names if dataset in DATASETS else ()
     return list(names) if len(names) == num_classes else [str(c) for c in range(num_classes)]
 
 

@@ -60,7 +60,7 @@ VIEWS = {
         "tags.`dvc_exp_name`"]},
     # Sorted on a parent-only metric: the parents come first, each with its seeds folded under it.
     REPRODUCE_EXPERIMENT: {"orderByKey": "metrics.`test_acc_mean`", "orderByAsc": False, "selectedColumns": [
-        *(f"metrics.`{m}`" for m in ("test_acc_mean", "test_acc_std", "test_acc_ci_low", "test_acc_ci_high",
+        *(f"metrics.`{m}`" for m in ("test_acc_mean", "test_acc_std", "test_acc_ci95_low", "test_acc_ci95_high",
                                      "val_acc_mean", "epochs_mean", "test_acc", "val_acc", "epochs")),
         "params.`reproduce.seeds`", "tags.`dataset`", "tags.`dvc_exp_name`"]},
     COMPARE_EXPERIMENT: {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": [

@@ -1,0 +1,60 @@
+"""The fused kernel against the torch kernel where it counts: seed-epochs per second of a reproduce worker."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from benchmarks.data import protocol
+from benchmarks.report import FUSED_SPEEDUP_TARGET
+from benchmarks.timing import percentile
+from gat import fused
+from gat.config import OptimConfig
+from gat.data import Graph
+from gat.training import GraphTensors, train
+from stages.support.params import StageError
+
+
+def reproduce_throughput(graph: Graph, seeds: int, epochs: int, rounds: int) -> dict:
+    """Seed-epochs per second of `gat.training.train` with each kernel, as a reproduce worker runs a batch.
+
+    One intra-op thread (stages.reproduce runs one worker per core), `seeds` seeds in one model, `epochs`
+    epochs each (patience above max_epochs, so no seed stops early): the training steps, the per-epoch
+    validation passes, early-stopping bookkeeping and checkpoints. The kernels take turns, `rounds` times.
+    Seconds are this process's CPU time, the wall time of a worker that has its core to itself: on a
+    machine whose cores other processes share, wall time would measure their load as much as the kernels
+    (it is reported too).
+    """
+    reason = fused.unavailable_reason()
+    if reason is not None:
+        raise StageError(f"the fused kernel is unavailable ({reason}): run `make bench`, which builds it")
+    paper = protocol()
+    tensors = GraphTensors.from_graph(graph)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cpu: dict[str, list[float]] = {"fused": [], "torch": []}
+    wall: dict[str, list[float]] = {"fused": [], "torch": []}
+    try:
+        for _ in range(rounds):
+            for kernel in cpu:
+                optim = OptimConfig(paper.optim.lr, paper.optim.weight_decay, max_epochs=epochs, patience=epochs + 1,
+                                    kernel=kernel)  # type: ignore[arg-type]
+                start, start_cpu = time.perf_counter(), time.process_time()
+                train(tensors, paper.model, optim, range(seeds))
+                cpu[kernel].append(time.process_time() - start_cpu)
+                wall[kernel].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+
+    def rates(seconds: dict[str, list[float]]) -> dict[str, list[float]]:
+        return {kernel: [seeds * epochs / s for s in samples] for kernel, samples in seconds.items()}
+
+    median = {kernel: percentile(values, 50) for kernel, values in rates(cpu).items()}
+    median_wall = {kernel: percentile(values, 50) for kernel, values in rates(wall).items()}
+    speedup = median["fused"] / median["torch"]
+    return {"seeds_per_batch": seeds, "epochs": epochs, "threads": 1, "rounds": rounds, "clock": "process CPU time",
+            "seed_epochs_per_s": median, "seed_epochs_per_s_samples": rates(cpu),
+            "seed_epochs_per_wall_s": median_wall, "seed_epochs_per_wall_s_samples": rates(wall),
+            "fused_vs_torch": speedup, "fused_vs_torch_wall": median_wall["fused"] / median_wall["torch"],
+            "target": FUSED_SPEEDUP_TARGET, "met": bool(speedup >= FUSED_SPEEDUP_TARGET)}
