@@ -90,7 +90,6 @@ def run() -> None:
     trained = load_json(args.train / "run.json", "train", {key: RUN_JSON[key] for key in ("run_id", "best_epoch")})
     with require(args.train / "history.csv", "train").open() as handle:
         history = [{key: float(value) for key, value in row.items()} for row in csv.DictReader(handle)]
-    every_node, counts = load_evaluation(args.eval, graph.num_nodes, graph.num_classes)
 
     # Every check before any work, and before the training run is touched: a failure leaves both as they were.
     if (state["in_features"], state["num_classes"]) != (graph.num_features, graph.num_classes):
@@ -99,6 +98,7 @@ def run() -> None:
              f"{graph.num_classes}: it is another dataset's model. Retrain it with `dvc repro train`.")
     if len(state["seeds"]) != 1:
         fail(f"{args.train / 'model.pt'} holds {len(state['seeds'])} replicas; the train stage saves one.")
+    every_node, counts = load_evaluation(args.eval, graph.num_nodes, graph.num_classes)
     if settings.example_nodes > graph.test_idx.numel():
         fail(f"params.yaml: `analyze.example_nodes` is {settings.example_nodes}, but the test set of {dataset} "
              f"has only {graph.test_idx.numel()} nodes; lower it.")
