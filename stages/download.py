@@ -25,21 +25,21 @@ def run() -> None:
     parser.add_argument("--dataset", required=True, choices=DATASETS)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
-    all_params = load_params()
-    params = all_params.download
+    params = load_params()
+    settings = params.download
     expected = fetch.read_checksums(file_names(args.dataset))
-    source = fetch.resolve_source(params.base_url)
+    source = fetch.resolve_source(settings.base_url)
     shown_source = fetch.redact(str(source))  # a mirror URL may carry a password
 
     with stage_run(DATA_EXPERIMENT, f"download-{args.dataset}", tags=standard_tags(args.dataset, expected)):
         # `dataset` and `source` (the mirror, when GAT_DATA_MIRROR names one) are not in params.yaml.
         mlflow.log_params({"dataset": args.dataset, "source": shown_source,
-                           **logged_params(all_params, "download", args.dataset)})
+                           **logged_params(params, "download", args.dataset)})
         started = time.perf_counter()
         # Any failure removes the staging folder: no partial files, the previous --out untouched.
         with atomic_dir(args.out) as staging:
             sizes = fetch.fetch(expected, source, staging,
-                                 timeout_s=params.timeout_s, retries=params.retries)
+                                 timeout_s=settings.timeout_s, retries=settings.retries)
         seconds = time.perf_counter() - started
         mlflow.log_metrics({"total_bytes": sum(sizes.values()), "seconds": seconds})
         mlflow.log_dict(expected, "checksums.json")
