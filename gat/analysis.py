@@ -138,6 +138,22 @@ def uniform_entropy(neighbourhoods: Neighbourhoods) -> Tensor:
     return torch.from_numpy(_elementwise(math.log, neighbourhoods.degree.cpu().numpy()))
 
 
+def confusion_counts(actual: np.ndarray, predicted: np.ndarray, num_classes: int) -> np.ndarray:
+    """Nodes by actual class (rows) and predicted class (columns): [C, C] int64. Nodes without a class
+    (label -1, Citeseer's padded test nodes) are left out."""
+    labelled = actual >= 0
+    cells = actual[labelled].astype(np.int64) * num_classes + predicted[labelled].astype(np.int64)
+    return np.bincount(cells, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+
+
+def row_shares(counts: np.ndarray) -> np.ndarray:
+    """Each row of a confusion matrix divided by its sum (the recall on the diagonal), 0 for an empty row:
+    [C, C] float64, as scikit-learn's confusion_matrix(normalize="true") computes it."""
+    with np.errstate(all="ignore"):
+        shares = counts / counts.sum(axis=1, keepdims=True)
+    return np.nan_to_num(shares)
+
+
 def _adjacency(neighbourhoods: Neighbourhoods) -> sparse.csr_matrix:
     """Rows = targets, columns = sources, self-loops included: [N, N] of ones."""
     n = neighbourhoods.num_targets

@@ -1,14 +1,16 @@
 """Look inside the trained model: attention entropy, the embedding map, neighbourhood views, curves and confusion.
 
-    python -m stages.analyze --data data/prepared/cora --train data/train --out data/analysis
+    python -m stages.analyze --data data/prepared/cora --train data/train --eval data/eval --out data/analysis
 
-Writes five PNGs and `metrics.json` (mean attention entropy per layer against uniform attention, the
-silhouette of the classes in the first layer's output and in its t-SNE map), and logs them all into the
-training configuration's MLflow run (the one train and evaluate write; its id is in run.json), under
-`analysis/`. Same params, same bytes, on any x86-64 CPU: the α and the first layer's output are recomputed
-in float64 without any CPU-dispatched arithmetic (gat.analysis.portable_inspect), and so are the distances,
-the PCA initialisation and the neighbours that t-SNE and the silhouettes start from (see gat.analysis);
-every computation runs on one thread, and the PNGs carry no library version.
+Reads the evaluate stage's `evaluation.json` (every node's predicted class, the test confusion matrix)
+rather than evaluating the model again. Writes five PNGs and `metrics.json` (mean attention entropy per
+layer against uniform attention, the silhouette of the classes in the first layer's output and in its t-SNE
+map), and logs them all into the training configuration's MLflow run (the one train and evaluate write; its
+id is in run.json), under `analysis/`. Same params, same bytes, on any x86-64 CPU: the α and the first
+layer's output are recomputed in float64 without any CPU-dispatched arithmetic
+(gat.analysis.portable_inspect), and so are the distances, the PCA initialisation and the neighbours that
+t-SNE and the silhouettes start from (see gat.analysis); every computation runs on one thread, and the PNGs
+carry no library version.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from pathlib import Path
 
 import matplotlib
 import mlflow
+import numpy as np
 import torch
-from sklearn.metrics import confusion_matrix
 from threadpoolctl import threadpool_limits
 
 from gat.analysis import (
@@ -29,12 +31,13 @@ from gat.analysis import (
     neighbourhood,
     pick_examples,
     portable_inspect,
+    row_shares,
     silhouette,
     tsne,
     two_hop_sizes,
     uniform_entropy,
 )
-from gat.training import GraphTensors, evaluate
+from gat.training import GraphTensors
 from stages.support.figures import (
     class_names,
     confusion_figure,
@@ -44,7 +47,16 @@ from stages.support.figures import (
     neighbourhood_figure,
     png_bytes,
 )
-from stages.support.files import RUN_JSON, load_json, load_model, load_prepared, outputs_together, require, write_atomic
+from stages.support.files import (
+    RUN_JSON,
+    load_evaluation,
+    load_json,
+    load_model,
+    load_prepared,
+    outputs_together,
+    require,
+    write_atomic,
+)
 from stages.support.interrupts import main
 from stages.support.params import ArgumentParser, fail, load_params
 from stages.support.tracking import stage_run
@@ -68,6 +80,7 @@ def run() -> None:
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--data", required=True, type=Path, help="a preprocess output folder")
     parser.add_argument("--train", required=True, type=Path, help="the train stage's output folder")
+    parser.add_argument("--eval", required=True, type=Path, help="the evaluate stage's output folder")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     params = load_params()
@@ -85,6 +98,7 @@ def run() -> None:
              f"{graph.num_classes}: it is another dataset's model. Retrain it with `dvc repro train`.")
     if len(state["seeds"]) != 1:
         fail(f"{args.train / 'model.pt'} holds {len(state['seeds'])} replicas; the train stage saves one.")
+    every_node, counts = load_evaluation(args.eval, graph.num_nodes, graph.num_classes)
     if settings.example_nodes > graph.test_idx.numel():
         fail(f"params.yaml: `analyze.example_nodes` is {settings.example_nodes}, but the test set of {dataset} "
              f"has only {graph.test_idx.numel()} nodes; lower it.")
@@ -95,11 +109,10 @@ def run() -> None:
 
     matplotlib.rcdefaults()  # a user's matplotlibrc must not change the pictures
     tensors = GraphTensors.from_graph(graph)
-    result = evaluate(model, tensors)  # the predictions that the evaluate stage reports
     # Not model.inspect(): torch's float32 pass rounds by CPU (ATEN_CPU_CAPABILITY, MKL), and t-SNE turns a
     # last-bit difference into another map. This float64 pass gives the same bytes everywhere.
     inside = portable_inspect(model, tensors.x, tensors.neighbourhoods)
-    predicted = result.predicted[:, 0]
+    predicted = torch.tensor(every_node, dtype=torch.int64)  # the evaluate stage's, not a second evaluation
     names = class_names(dataset, graph.num_classes)
 
     # 1. Attention entropy per layer and head, against uniform attention over the same neighbourhoods.
@@ -125,9 +138,8 @@ def run() -> None:
     views = [neighbourhood(tensors.neighbourhoods, inside.attention, node) for node in examples]
 
     # 4. The curves of training, and where on the test set the restored model goes wrong.
-    actual, guessed = graph.labels[test_idx].numpy(), predicted[test_idx].numpy()
-    confusion = confusion_matrix(actual, guessed, labels=list(range(graph.num_classes)), normalize="true")
-    accuracy = f"test accuracy {(actual == guessed).mean():.3f}"  # evaluate's test_acc, not logged twice
+    confusion = np.array(counts, dtype=np.int64)
+    accuracy = f"test accuracy {np.trace(confusion) / confusion.sum():.3f}"  # evaluate's test_acc, not logged twice
     pictures = {
         "attention_entropy.png": entropy_figure(
             entropy, uniform, f"{dataset}: entropy of each node's attention, per layer and head, against uniform "
@@ -143,9 +155,8 @@ def run() -> None:
             "(into the centre: layer 2; into a neighbour: layer 1; heads averaged)"),
         "training_curves.png": curves_figure(history, int(trained["best_epoch"]),
                                              f"{dataset}, seed {state['seeds'][0]}: training curves"),
-        "confusion_matrix.png": confusion_figure(confusion.tolist(), names,
-                                                 f"{dataset}: normalised test confusion matrix\n({accuracy})",
-                                                 normalised=True),
+        "confusion_matrix.png": confusion_figure(row_shares(confusion).tolist(), names,
+                                                 f"{dataset}: normalised test confusion matrix\n({accuracy})"),
     }
     files = {name: png_bytes(figure) for name, figure in pictures.items()}
     files["metrics.json"] = (json.dumps(metrics, indent=2, sort_keys=True) + "\n").encode()

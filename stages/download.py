@@ -10,14 +10,13 @@ from pathlib import Path
 
 import mlflow
 
-from gat.config import flatten
 from gat.datasets import DATASETS
 from stages.support import fetch
 from stages.support.files import atomic_dir
 from stages.support.interrupts import main
 from stages.support.params import ArgumentParser, load_params
 from stages.support.store import DATA_EXPERIMENT
-from stages.support.tracking import stage_run, standard_tags
+from stages.support.tracking import logged_params, stage_run, standard_tags
 
 
 def run() -> None:
@@ -25,20 +24,21 @@ def run() -> None:
     parser.add_argument("--dataset", required=True, choices=DATASETS)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
-    params = load_params().download
+    params = load_params()
+    settings = params.download
     expected = fetch.pinned(args.dataset)
-    source = fetch.resolve_source(params.base_url)
+    source = fetch.resolve_source(settings.base_url)
     shown_source = fetch.redact(str(source))  # a mirror URL may carry a password
 
     with stage_run(DATA_EXPERIMENT, f"download-{args.dataset}", tags=standard_tags(args.dataset, expected)):
-        # params.yaml's dotted keys, as every stage logs them; `dataset` and `source` are not in params.yaml.
-        logged = flatten(params, "download") | {"download.base_url": fetch.redact(params.base_url)}
-        mlflow.log_params({"dataset": args.dataset, "source": shown_source, **logged})
+        # `dataset` and `source` (the mirror, when GAT_DATA_MIRROR names one) are not in params.yaml.
+        mlflow.log_params({"dataset": args.dataset, "source": shown_source,
+                           **logged_params(params, "download", args.dataset)})
         started = time.perf_counter()
         # Any failure removes the staging folder: no partial files, the previous --out untouched.
         with atomic_dir(args.out) as staging:
             sizes = fetch.fetch(expected, source, staging,
-                                 timeout_s=params.timeout_s, retries=params.retries)
+                                 timeout_s=settings.timeout_s, retries=settings.retries)
         seconds = time.perf_counter() - started
         mlflow.log_metrics({"total_bytes": sum(sizes.values()), "seconds": seconds})
         mlflow.log_dict(expected, "checksums.json")

@@ -14,7 +14,6 @@ from pathlib import Path
 import mlflow
 import torch
 
-from gat.config import flatten
 from gat.data import Graph, describe, graph_to_tensors, parse_planetoid, random_split
 from gat.datasets import DATASETS
 from stages.support import fetch
@@ -22,7 +21,7 @@ from stages.support.files import atomic_dir, require, write_json
 from stages.support.interrupts import main
 from stages.support.params import ArgumentParser, fail, load_params
 from stages.support.store import DATA_EXPERIMENT
-from stages.support.tracking import log_dataset, stage_run, standard_tags
+from stages.support.tracking import log_dataset, logged_params, stage_run, standard_tags
 
 
 def _parse(raw: dict[str, bytes], folder: Path, dataset: str) -> Graph:
@@ -64,7 +63,7 @@ def run() -> None:
     meta = {"dataset": args.dataset, **describe(graph), "split": split_settings, "source_sha256": expected}
 
     with stage_run(DATA_EXPERIMENT, f"preprocess-{args.dataset}", tags=standard_tags(args.dataset, expected)):
-        mlflow.log_params({"dataset": args.dataset, **flatten(settings, "preprocess")})
+        mlflow.log_params({"dataset": args.dataset, **logged_params(params, "preprocess", args.dataset)})
         mlflow.log_metrics({"num_nodes": meta["num_nodes"], "num_features": meta["num_features"],
                             "num_classes": meta["num_classes"], "num_edges": meta["num_edges"],
                             **{f"{name}_nodes": part["count"] for name, part in meta["splits"].items()}})

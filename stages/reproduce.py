@@ -27,7 +27,7 @@ import mlflow
 import torch
 from tqdm import tqdm
 
-from gat.config import Setup, flatten
+from gat.config import Setup
 from gat.data import graph_to_tensors
 from gat.datasets import DATASETS
 from gat.reproduction import correct_answers, histogram, summarise
@@ -41,7 +41,7 @@ from stages.support.seed_task import code_sha256
 from stages.support.seed_task import train_seed_batch as train_seeds
 from stages.support.store import NOTE, REPRODUCE_EXPERIMENT
 from stages.support.tables import dataset_section, histogram_bins, histogram_figure, metrics
-from stages.support.tracking import describe_run, log_child_runs, stage_run, standard_tags
+from stages.support.tracking import describe_run, log_child_runs, logged_params, stage_run, standard_tags
 
 if TYPE_CHECKING:
     from stages.support.dask_pool import DaskPool
@@ -127,9 +127,7 @@ def run() -> None:
     seeds = list(range(settings.first_seed, settings.first_seed + settings.seeds))
     batches = [seeds[i:i + settings.seeds_per_batch] for i in range(0, len(seeds), settings.seeds_per_batch)]
 
-    # params.yaml's dotted keys only: the settings of this reproduction and this dataset's protocol.
-    logged = {**flatten({k: v for k, v in vars(settings).items() if k != "protocol"}, "reproduce"),
-              **flatten(setup, f"reproduce.protocol.{args.dataset}")}
+    logged = logged_params(params, "reproduce", args.dataset)  # this reproduction's settings and protocol
     tags = standard_tags(args.dataset, meta["source_sha256"])
     parent_tags = {**tags, "executor": settings.executor, NOTE: describe_run(
         f"{len(seeds)} independent seeds of GAT on {args.dataset} (seeds {seeds[0]} to {seeds[-1]}), the paper's "

@@ -17,7 +17,7 @@ import mlflow
 import torch
 from tqdm import tqdm
 
-from gat.config import ModelConfig, flatten, training_memory_bytes
+from gat.config import ModelConfig, training_memory_bytes
 from gat.model import NodeClassifier, model_state
 from gat.training import EpochMetrics, GraphTensors, train
 from stages.support.fetch import redact
@@ -26,7 +26,7 @@ from stages.support.files import load_prepared, outputs_together, write_atomic, 
 from stages.support.interrupts import main
 from stages.support.params import ArgumentParser, device_for, fail, load_params
 from stages.support.store import NOTE, TRAIN_EXPERIMENT, model_name
-from stages.support.tracking import EpochLogger, describe_run, log_dataset, stage_run, standard_tags
+from stages.support.tracking import EpochLogger, describe_run, log_dataset, logged_params, stage_run, standard_tags
 
 GIB = 2**30
 
@@ -92,9 +92,7 @@ def run() -> None:
 
     tags = standard_tags(settings.dataset, meta["source_sha256"])
     run_name = f"{settings.dataset}-{tags.get('dvc_exp_name', f'seed{settings.seed}')}"
-    # Every value that shapes this run, with params.yaml's dotted keys, so runs compare column by column.
-    logged = flatten({"datasets": params.datasets, "download": params.download, "preprocess": params.preprocess,
-                      "train": settings})
+    logged = logged_params(params, "train")  # every value that shapes this run, the data's too
     tags[NOTE] = describe_run(f"GAT trained on {settings.dataset} with seed {settings.seed} (stages train and "
                               "evaluate): the metrics are the restored checkpoint's; epoch_* are the per-epoch "
                               f"curves; the model is `{model_name(settings.dataset)}`.", logged)

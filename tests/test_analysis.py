@@ -17,11 +17,13 @@ from pipeline_support import Pipeline
 from gat.analysis import (
     _neighbour_graph,
     attention_entropy,
+    confusion_counts,
     neighbourhood,
     pairwise_distances,
     pca_init,
     pick_examples,
     portable_inspect,
+    row_shares,
     silhouette,
     tsne,
     two_hop_sizes,
@@ -205,6 +207,21 @@ def test_the_analysis_is_the_same_bytes_under_scalar_and_vector_kernels() -> Non
     assert len(hashes[0]) == 6 and hashes[0] == hashes[1]
 
 
+def test_the_confusion_matrix_is_scikit_learns_to_the_last_bit() -> None:
+    """confusion_counts leaves out nodes without a class (-1); row_shares normalises as scikit-learn does, an empty
+    row (a class without test nodes) included."""
+    from sklearn.metrics import confusion_matrix
+
+    generator = np.random.default_rng(0)
+    actual, predicted = generator.integers(-1, 4, size=500), generator.integers(0, 5, size=500)
+    counts = confusion_counts(actual, predicted, 5)
+    assert counts.dtype == np.int64
+    assert counts.tolist() == confusion_matrix(actual, predicted, labels=list(range(5))).tolist()
+    assert counts[4].sum() == 0
+    expected = confusion_matrix(actual, predicted, labels=list(range(5)), normalize="true")
+    assert row_shares(counts).tobytes() == expected.tobytes()
+
+
 # Pictures --------------------------------------------------------------------------------------------------------
 
 def _pictures(graph, attention) -> dict[str, bytes]:
@@ -284,7 +301,7 @@ def test_analyze_writes_pictures_and_metrics_into_the_training_run(pipeline: Pip
 def test_analyze_again_gives_the_same_bytes(pipeline_copy: Pipeline, tmp_path: Path) -> None:
     before = [run.info.run_id for run in pipeline_copy.all_runs()]
     pipeline_copy.python("-m", "stages.analyze", "--data", "data/prepared/cora", "--train", "data/train",
-                         "--out", str(tmp_path / "again"))
+                         "--eval", "data/eval", "--out", str(tmp_path / "again"))
     for path in sorted((pipeline_copy.root / "data/analysis").iterdir()):
         assert (tmp_path / "again" / path.name).read_bytes() == path.read_bytes(), path.name
     assert [run.info.run_id for run in pipeline_copy.all_runs()] == before
@@ -306,7 +323,7 @@ def test_bad_input_is_one_line_and_leaves_nothing(pipeline_copy: Pipeline, tmp_p
     dataset = change.get("train.dataset", "cora")
     (row,) = pipeline_copy.runs(TRAIN_EXPERIMENT)
     failed = pipeline_copy.python("-m", "stages.analyze", "--data", f"data/prepared/{dataset}", "--train",
-                                  "data/train", "--out", str(tmp_path / "out"), check=False)
+                                  "data/train", "--eval", "data/eval", "--out", str(tmp_path / "out"), check=False)
     assert failed.returncode == 2
     assert failed.stderr.strip().splitlines() == [failed.stderr.strip()] and says in failed.stderr
     assert not (tmp_path / "out").exists()

@@ -32,7 +32,8 @@ STAGES = {"train": train.run, "evaluate": evaluate.run, "analyze": analyze.run}
 
 @pytest.fixture(scope="module")
 def intact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """data/prepared/cora (synthetic Cora) and data/train (an untrained model and its run.json)."""
+    """data/prepared/cora (synthetic Cora), data/train (an untrained model and its run.json) and data/eval (its
+    evaluation.json)."""
     root = tmp_path_factory.mktemp("intact")
     raw = root / "raw"
     write_synthetic_planetoid(raw, "cora", **SYNTHETIC_LAYOUTS["cora"])
@@ -49,6 +50,9 @@ def intact(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "run_id": "0" * 32, "experiment_id": "1", "model": "gat-cora", "model_uri": "models:/m-0",
         "epochs": 3, "best_epoch": 1}))
     (root / "data/train/history.csv").write_text("epoch,train_loss,train_acc,val_loss,val_acc\n1,1,0,1,0\n")
+    (root / "data/eval").mkdir(parents=True)
+    (root / "data/eval/evaluation.json").write_text(json.dumps({
+        "predicted": [0] * graph.num_nodes, "confusion": [[0] * graph.num_classes] * graph.num_classes}))
     return root
 
 
@@ -107,6 +111,7 @@ def _set(index: tuple, value: float) -> Callable[[torch.Tensor], torch.Tensor]:
 
 GRAPH, META = "data/prepared/cora/graph.pt", "data/prepared/cora/meta.json"
 MODEL, RUN = "data/train/model.pt", "data/train/run.json"
+EVALUATION = "data/eval/evaluation.json"
 REFUSED = r"it holds objects other than tensors, numbers and plain containers \(torch\.load\(weights_only=True\) " \
           r"refused them; nothing in it was run\)"
 
@@ -143,16 +148,35 @@ CASES = [
      r"not valid JSON \(JSONDecodeError: "),
     ("run-json-a-list", RUN, _write("[]"), r"expected a JSON object, found a list"),
     ("run-json-bad-epochs", RUN, _edit_json(best_epoch="one"), r"'best_epoch' is 'one', a str"),
+    ("evaluation-not-json", EVALUATION, lambda path: path.write_text(path.read_text()[:20]),
+     r"not valid JSON \(JSONDecodeError: "),
+    ("evaluation-a-list", EVALUATION, _write("[]"), r"expected a JSON object, found a list"),
+    ("evaluation-without-confusion", EVALUATION, _write('{"predicted": []}'), r"it lacks 'confusion'"),
+    # As if another dataset's evaluation had been copied in: one entry per node of another graph.
+    ("evaluation-of-another-graph", EVALUATION, _edit_json(predicted=[0] * 3327),
+     r"'predicted' is not a class in \[0, 7\) for each of the graph's \d+ nodes \(it has 3327 entries\)"),
+    ("evaluation-class-out-of-range", EVALUATION,
+     lambda path: _edit_json(predicted=[9] + json.loads(path.read_text())["predicted"][1:])(path),
+     r"'predicted' is not a class in \[0, 7\)"),
+    ("evaluation-bool-class", EVALUATION,
+     lambda path: _edit_json(predicted=[True] + json.loads(path.read_text())["predicted"][1:])(path),
+     r"'predicted' is not a class in \[0, 7\)"),
+    ("evaluation-confusion-not-square", EVALUATION, _edit_json(confusion=[[0] * 7] * 6),
+     r"'confusion' is not a 7 x 7 matrix of counts"),
+    ("evaluation-negative-count", EVALUATION, _edit_json(confusion=[[-1] * 7] * 7),
+     r"'confusion' is not a 7 x 7 matrix of counts"),
 ]
 
 # Which stages read which file (train reads only the prepared graph).
 READERS = {GRAPH: ("train", "evaluate", "analyze"), META: ("train", "evaluate", "analyze"),
-           MODEL: ("evaluate", "analyze"), RUN: ("evaluate", "analyze")}
+           MODEL: ("evaluate", "analyze"), RUN: ("evaluate", "analyze"), EVALUATION: ("analyze",)}
+PRODUCERS = {GRAPH: "preprocess@cora", META: "preprocess@cora", MODEL: "train", RUN: "train", EVALUATION: "evaluate"}
 
 
 def _stage_args(stage: str) -> list[str]:
     args = ["--data", "data/prepared/cora", "--out", f"data/{stage}-out"]
-    return args if stage == "train" else [*args, "--train", "data/train"]
+    args = args if stage == "train" else [*args, "--train", "data/train"]
+    return [*args, "--eval", "data/eval"] if stage == "analyze" else args
 
 
 @pytest.mark.parametrize("stage, relative, damage, problem", [
@@ -165,7 +189,7 @@ def test_a_damaged_input_is_one_line_and_exit_2(workdir: Path, monkeypatch: pyte
     code = run_stage_in_process(monkeypatch, f"stages.{stage}", STAGES[stage], *_stage_args(stage))
     err = capsys.readouterr().err
     assert code == 2, err
-    producer = "train" if relative.startswith("data/train") else "preprocess@cora"
+    producer = PRODUCERS[relative]
     assert re.fullmatch(rf"error: {re.escape(relative)}: (?:{problem}).*\. Run `dvc repro --force {producer}` "
                         r"to write it again\.\n", err), err
     assert not (workdir / relative).parent.joinpath("PWNED").exists()  # the payload never ran
@@ -176,12 +200,26 @@ def test_a_damaged_input_is_one_line_and_exit_2(workdir: Path, monkeypatch: pyte
 
 def test_the_intact_files_load(workdir: Path) -> None:
     """The control: the same files, undamaged, pass every check above."""
-    from stages.support.files import RUN_JSON, load_json, load_model, load_prepared
+    from stages.support.files import RUN_JSON, load_evaluation, load_json, load_model, load_prepared
 
     graph, meta = load_prepared("data/prepared/cora", "cora")
     state, model = load_model("data/train")
     assert meta["dataset"] == "cora" and state["in_features"] == graph.num_features and not model.training
     assert load_json("data/train/run.json", "train", RUN_JSON)["best_epoch"] == 1
+    predicted, confusion = load_evaluation("data/eval", graph.num_nodes, graph.num_classes)
+    assert len(predicted) == graph.num_nodes and len(confusion) == graph.num_classes
+
+
+def test_analyze_without_the_evaluation_names_the_stage_to_run(workdir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """analyze reads evaluate's predictions and never evaluates the model itself."""
+    (workdir / EVALUATION).unlink()
+    code = run_stage_in_process(monkeypatch, "stages.analyze", STAGES["analyze"], *_stage_args("analyze"))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err == (f"error: {EVALUATION} is missing: it is made by the `evaluate` stage. Run `dvc repro evaluate` "
+                   "first.\n")
+    assert not (workdir / "data/analyze-out").exists()
 
 
 SETTINGS = {"ports": {"postgres": 1, "mlflow": 2, "s3": 3}, "db_password": "a", "admin_password": "b",

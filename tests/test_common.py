@@ -143,3 +143,54 @@ def test_a_float_without_a_dot_reads_as_dvc_reads_it(tmp_path: Path) -> None:
     assert paper_lr is not None
     changed = text[:paper_lr.end()].replace("lr: 0.005\n", "lr: 7e-3\n") + text[paper_lr.end():]
     assert load_params(_write(tmp_path, changed)).train.optim.lr == 0.007
+
+
+# The params a stage logs ---------------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_each_stage_logs_its_dvc_params_with_params_yaml_keys() -> None:
+    """logged_params keeps the keys each stage logged before it existed, so the UI's columns still line up."""
+    from gat.config import flatten
+    from stages.support.tracking import logged_params
+
+    params = load_params(REPO / "params.yaml")
+    assert logged_params(params, "download", "cora") == flatten(params.download, "download")
+    assert logged_params(params, "preprocess", "cora") == flatten(params.preprocess, "preprocess")
+    assert logged_params(params, "train") == flatten({"datasets": params.datasets, "download": params.download,
+                                                      "preprocess": params.preprocess, "train": params.train})
+    settings = params.reproduce
+    assert logged_params(params, "reproduce", "citeseer") == {
+        **flatten({k: v for k, v in vars(settings).items() if k != "protocol"}, "reproduce"),
+        **flatten(settings.protocol["citeseer"], "reproduce.protocol.citeseer")}
+    assert "train.optim.lr" in logged_params(params, "train")
+
+
+def test_logged_params_cover_what_dvc_yaml_tracks() -> None:
+    """Every params.yaml key a stage depends on (dvc.yaml's `params`) is logged by the stage that logs params."""
+    import yaml
+
+    from stages.support.tracking import STAGE_PARAMS, logged_params
+
+    params = load_params(REPO / "params.yaml")
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    for name in STAGE_PARAMS:
+        tracked = (stages[name].get("do") or stages[name]).get("params", [])
+        keys = logged_params(params, name, "cora")
+        for entry in tracked:
+            entry = entry.replace("${item}", "cora")
+            assert any(key == entry or key.startswith(f"{entry}.") for key in keys), (name, entry)
+
+
+def test_logged_params_never_carry_a_password(tmp_path: Path) -> None:
+    import yaml
+
+    from stages.support.tracking import describe_run, logged_params
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["download"]["base_url"] = "https://user:secret@mirror.example/planetoid"
+    params = Params.from_dict(raw)
+    for stage in ("download", "train"):
+        assert logged_params(params, stage)["download.base_url"] == "https://user:***@mirror.example/planetoid"
+    assert "secret" not in describe_run("a run", logged_params(params, "train"))

@@ -92,6 +92,10 @@ def test_top_level_metrics_are_few_and_plainly_named(pipeline: Pipeline) -> None
                                      "best_epoch"} | curves | analysis
     artifacts = {item.path for item in pipeline.client.list_artifacts(row.info.run_id)}
     assert {"per_class.json", "per_class_table.json", "confusion_matrix.json"} <= artifacts
+    # Each metric comes from one stage, once: epochs and best_epoch from train, not again from evaluate.
+    logged = {key: len(pipeline.client.get_metric_history(row.info.run_id, key)) for key in row.data.metrics
+              if key not in curves}
+    assert logged == dict.fromkeys(logged, 1)
 
 
 def test_experiments_open_in_model_training_mode_with_descriptions(pipeline: Pipeline) -> None:
@@ -118,7 +122,7 @@ def test_confusion_matrix_and_curves_are_pictures(pipeline: Pipeline, tmp_path: 
     from stages.support.figures import class_names
 
     (row,) = pipeline.runs(TRAIN_EXPERIMENT)
-    for name in ("confusion_matrix.png", "training_curves.png"):
+    for name in ("analysis/confusion_matrix.png", "training_curves.png"):
         local = pipeline.client.download_artifacts(row.info.run_id, name, str(tmp_path))
         image = matplotlib.image.imread(local)
         assert image.shape[0] > 300 and image.shape[1] > 300 and image.std() > 0.05  # a real, non-blank picture

@@ -20,21 +20,18 @@ def class_names(dataset: str, num_classes: int) -> list[str]:
     return list(names) if len(names) == num_classes else [str(c) for c in range(num_classes)]
 
 
-def confusion_figure(confusion: Sequence[Sequence[float]], names: Sequence[str], title: str,
-                     normalised: bool = False) -> Figure:
-    """Test nodes by true class (rows) and predicted class (columns), with the counts written in the cells;
-    `normalised`: each row divided by its class's test nodes (the recall on the diagonal), fractions shown."""
+def confusion_figure(shares: Sequence[Sequence[float]], names: Sequence[str], title: str) -> Figure:
+    """Test nodes by true class (rows) and predicted class (columns), each row divided by its class's test nodes
+    (gat.analysis.row_shares: the recall on the diagonal), the fractions written in the cells."""
     figure, axes = plt.subplots(figsize=(7.5, 6.5))
-    image = axes.imshow(confusion, cmap="Blues", vmin=0.0 if normalised else None, vmax=1.0 if normalised else None)
+    image = axes.imshow(shares, cmap="Blues", vmin=0.0, vmax=1.0)
     axes.set_xticks(range(len(names)), names, rotation=40, ha="right")
     axes.set_yticks(range(len(names)), names)
-    peak = 1.0 if normalised else max((max(row) for row in confusion), default=0)
-    for i, row in enumerate(confusion):
-        for j, count in enumerate(row):
-            axes.text(j, i, f"{count:.2f}" if normalised else str(count), ha="center", va="center",
-                      color="white" if count > peak / 2 else "black")
+    for i, row in enumerate(shares):
+        for j, share in enumerate(row):
+            axes.text(j, i, f"{share:.2f}", ha="center", va="center", color="white" if share > 0.5 else "black")
     axes.set(xlabel="predicted class", ylabel="true class", title=title)
-    figure.colorbar(image, ax=axes, label="fraction of the true class's test nodes" if normalised else "test nodes")
+    figure.colorbar(image, ax=axes, label="fraction of the true class's test nodes")
     figure.tight_layout()
     return figure
 

@@ -170,6 +170,27 @@ def load_json(path: str | Path, producer: str, keys: Mapping[str, type | tuple[t
 RUN_JSON: dict[str, type] = {"run_id": str, "model": str, "model_uri": str, "epochs": int, "best_epoch": int}
 
 
+def _whole_numbers(values: list, below: int | None = None) -> bool:
+    """Every value a JSON integer (not a bool) >= 0, and < `below` when given."""
+    return all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v and (below is None or v < below)
+               for v in values)
+
+
+def load_evaluation(folder: str | Path, num_nodes: int, num_classes: int) -> tuple[list[int], list[list[int]]]:
+    """The evaluate stage's `evaluation.json`: every node's predicted class and the test confusion matrix
+    (rows actual, columns predicted), checked against the graph's sizes; or one line naming the file."""
+    path = Path(folder) / "evaluation.json"
+    found = load_json(path, "evaluate", {"predicted": list, "confusion": list})
+    predicted, confusion = found["predicted"], found["confusion"]
+    if len(predicted) != num_nodes or not _whole_numbers(predicted, num_classes):
+        _damaged(path, f"'predicted' is not a class in [0, {num_classes}) for each of the graph's {num_nodes} "
+                       f"nodes (it has {len(predicted)} entries)", "evaluate")
+    if (len(confusion) != num_classes
+            or not all(isinstance(row, list) and len(row) == num_classes and _whole_numbers(row) for row in confusion)):
+        _damaged(path, f"'confusion' is not a {num_classes} x {num_classes} matrix of counts", "evaluate")
+    return predicted, confusion
+
+
 def load_prepared(folder: str | Path, dataset: str) -> tuple[Graph, dict[str, Any]]:
     """The preprocess stage's graph and meta.json, or an error naming the stage to run."""
     producer = f"preprocess@{dataset}"

@@ -23,7 +23,7 @@ def repo_root() -> Path:
     DVC_ROOT to the original one, so runs land in the user's store and not in a copy
     that is deleted afterwards.
     """
-    return Path(os.environ.get("DVC_ROOT") or Path(__file__).resolve().parents[1]).resolve()
+    return Path(os.environ.get("DVC_ROOT") or Path(__file__).resolve().parents[2]).resolve()
 
 
 class StageError(RuntimeError):

@@ -38,8 +38,9 @@ COMPARE_EXPERIMENT = "gat-repro-compare"
 DESCRIPTIONS = {
     TRAIN_EXPERIMENT: "One row per training configuration (stages train + evaluate): the params with params.yaml's "
                       "dotted keys, test_acc, val_acc, test_macro_f1, epochs and best_epoch of the restored "
-                      "checkpoint, per-epoch curves (epoch_*), the confusion matrix and curves as PNGs, and the "
-                      "model. The best configuration on val_acc is registered as gat-<dataset>@champion.",
+                      "checkpoint, per-epoch curves (epoch_*), the confusion matrix (JSON), the curves as a PNG, the "
+                      "analyze stage's pictures and metrics (analysis/), and the model. The best configuration on "
+                      "val_acc is registered as gat-<dataset>@champion.",
     DATA_EXPERIMENT: "One run per download or preprocess of a dataset: its source, checksums, sizes and split.",
     COMPARE_EXPERIMENT: "One run per `python -m tools.compare` (`make compare`): every reproduced configuration's "
                         "mean test accuracy with its 95% CI, per dataset, as a table (compare.md) and a plot "

@@ -7,7 +7,7 @@ import hashlib
 import os
 import subprocess
 import time
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 # The machines here have no internet, and a pipeline should not phone home: no usage telemetry.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -16,6 +16,8 @@ import mlflow  # noqa: E402  (after the telemetry switch, which MLflow reads whe
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from gat.config import Params, flatten
+from stages.support.fetch import redact
 from stages.support.params import fail, parse_params_yaml
 from stages.support.store import (CLEANUP_TIMEOUT_S, SERVER_ERRORS, connect, from_server, is_server, process_tags,
                                   shown_uri,
@@ -200,6 +202,35 @@ def log_child_runs(parent_run_id: str, experiment_id: str, dataset: str,
         client.set_terminated(child.info.run_id, "FINISHED", end_time=end_ms)
 
 
+# The params.yaml keys (dotted prefixes) each stage logs into its MLflow run: its own, as dvc.yaml's `params` lists
+# them, and for train those of the stages whose outputs it reads too, so a training row names the data it came
+# from. `{dataset}` is a foreach stage's dataset. reproduce also logs how it ran (batches, workers, executor,
+# device), which dvc.yaml leaves out because the results do not depend on it. evaluate and analyze log into
+# train's run and log no params: a rerun with other analyze params could not change a logged one.
+STAGE_PARAMS: dict[str, tuple[str, ...]] = {
+    "download": ("download",),
+    "preprocess": ("preprocess",),
+    "train": ("datasets", "download", "preprocess", "train"),
+    "reproduce": ("reproduce.seeds", "reproduce.first_seed", "reproduce.seeds_per_batch", "reproduce.workers",
+                  "reproduce.executor", "reproduce.device", "reproduce.protocol.{dataset}"),
+}
+
+
+def _flat(params: Params) -> dict[str, Any]:
+    """Every param with params.yaml's dotted key (`train.optim.lr`), a URL's password redacted."""
+    flat = flatten(params)
+    flat["download.base_url"] = redact(flat["download.base_url"])
+    return flat
+
+
+def logged_params(params: Params, stage: str, dataset: str | None = None) -> dict[str, Any]:
+    """The params `stage` logs (STAGE_PARAMS), with params.yaml's dotted keys, so runs compare column by column;
+    `dataset`: a foreach stage's own (download, preprocess, reproduce)."""
+    prefixes = [prefix.format(dataset=dataset) for prefix in STAGE_PARAMS[stage]]
+    return {key: value for key, value in _flat(params).items()
+            if any(key == prefix or key.startswith(f"{prefix}.") for prefix in prefixes)}
+
+
 def params_changed_from_committed(current: Mapping[str, object], committed_yaml: str | None) -> dict[str, tuple]:
     """Dotted key -> (committed value, this run's value) for every param in `current` that differs from the
     committed params.yaml, both read as typed params (so `30` and `30.0` are the same value).
@@ -209,12 +240,12 @@ def params_changed_from_committed(current: Mapping[str, object], committed_yaml:
     """
     import yaml
 
-    from gat.config import Params, ParamsError, flatten
+    from gat.config import ParamsError
 
     if committed_yaml is None:
         return {}
     try:
-        committed = flatten(Params.from_dict(parse_params_yaml(committed_yaml)))
+        committed = _flat(Params.from_dict(parse_params_yaml(committed_yaml)))
     except (yaml.YAMLError, ParamsError):
         return {}
     return {key: (committed.get(key, "(not set)"), value) for key, value in current.items()
