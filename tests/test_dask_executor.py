@@ -718,9 +718,7 @@ def _without_the_project(folder: Path) -> Path:
     subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(folder)],
                    check=True, capture_output=True, timeout=START_S)
     (site,) = (folder / "lib").glob("python3*/site-packages")
-    import sysconfig
-
-    (site / "venv-packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (site / "venv-packages.pth").write_text("".join(f"{path}\n" for path in sys.path if path.endswith("site-packages")))
     python = folder / "bin" / "python"
     probe = subprocess.run([str(python), "-c", "import dask, torch, distributed; import stages"], cwd=folder,
                            env=clean_env(), capture_output=True, text=True, timeout=START_S)
