@@ -55,9 +55,10 @@ MAX_PARALLEL = 8
 
 
 def _environment(root: Path) -> dict[str, str]:
-    """The stage's environment: this checkout's code, a throwaway store, no Dask scheduler, no dashboard."""
+    """The stage's environment: the project as installed (`make`: this checkout, in editable mode; no PYTHONPATH),
+    a throwaway store, no Dask scheduler, no dashboard."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DVC_", "DASK_"))}
-    return env | {"PYTHONPATH": str(REPO_ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
+    return env | {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
                   "MLFLOW_DISABLE_TELEMETRY": "true", "GAT_DASK_DASHBOARD": "off",
                   "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"}
 

@@ -343,7 +343,7 @@ def run_stage_in_process(monkeypatch: pytest.MonkeyPatch, module: str, run: Call
 
 # The end-to-end fixtures live in their own module; importing them here makes them visible to every test file.
 from pipeline_support import pipeline, pipeline_copy, planetoid_server  # noqa: E402,F401
-from team_support import seaweedfs_stopped, team_backend, team_pipeline  # noqa: E402,F401
+from team_support import seaweedfs_stopped, team_backend, team_credentials, team_pipeline  # noqa: E402,F401
 
 # The tiers (`make test`: none of these; `make test-all`: everything), by what a test needs to run. A marker follows
 # from a test's fixtures, so a new test that needs the pipeline or a server is marked without anyone remembering to.

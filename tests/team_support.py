@@ -2,19 +2,22 @@
 
 - `team_backend` (session): `python -m team up --state <tmp>`, exactly what `make team-up` runs, in a state
   folder of its own; `python -m team down` at the end, which must leave no process and no listener behind.
-  The admin's credentials are in this process's environment while it lives, for MlflowClient.
+  It changes nothing in this process: the admin's credentials are in its environment only during a test that
+  uses the backend (`team_credentials`, autouse), for MlflowClient.
 - `team_pipeline` (session): the tiny pipeline run by `make repro`'s two commands against that server, with
   the copy's DVC remote on the backend's S3 bucket. Tests only read it, or copy it (`copy_to`).
-- `seaweedfs_stopped` (function): the object store stopped for one test, started again afterwards.
+- `seaweedfs_stopped` (function): the object store stopped for one test, started again afterwards and checked
+  healthy (its S3 API answers with both buckets), so that every later test finds the store as the session made it.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 import shutil
 import socket
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -24,7 +27,7 @@ import pytest
 from pipeline_support import REPO, TINY, VENV_BIN, Pipeline, clean_env, copy_project
 
 from stages.support.store import REPRODUCE_EXPERIMENT
-from team.backend import Settings, State, running, s3_client
+from team.backend import ARTIFACTS_BUCKET, DVC_BUCKET, Settings, State, running, s3_client
 
 
 @dataclass
@@ -60,6 +63,44 @@ class TeamBackend:
         return running(self.state)
 
 
+@contextlib.contextmanager
+def credentials(backend: TeamBackend) -> Iterator[None]:
+    """The admin's MLflow credentials in this process's environment for the block, for MlflowClient; what was
+    there before is restored."""
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in backend.mlflow_env.items():
+            if key != "MLFLOW_TRACKING_URI":
+                patch.setenv(key, value)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def team_credentials(request: pytest.FixtureRequest) -> Iterator[None]:
+    """For a test that uses the team backend, and for it alone, the admin's credentials in the environment (see
+    `credentials`); every other test runs with the environment it was started with, whatever ran before it."""
+    if "team_backend" not in request.fixturenames:
+        yield
+        return
+    with credentials(request.getfixturevalue("team_backend")):
+        yield
+
+
+def healthy(backend: TeamBackend, timeout: float = 60.0) -> bool:
+    """Every server of the backend runs and SeaweedFS's S3 API answers (both buckets there), within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if all(backend.pids().values()):
+                names = {bucket["Name"] for bucket in backend.s3().list_buckets()["Buckets"]}
+                if {ARTIFACTS_BUCKET, DVC_BUCKET} <= names:
+                    return True
+        except Exception:  # not up yet: botocore's and the OS's errors alike
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", port)) == 0
@@ -80,16 +121,7 @@ def team_backend() -> Iterator[TeamBackend]:
         settings = state.load()
         assert settings is not None
         backend = TeamBackend(state, settings)
-        saved = {key: os.environ.get(key) for key in backend.mlflow_env}
-        os.environ.update({k: v for k, v in backend.mlflow_env.items() if k != "MLFLOW_TRACKING_URI"})
-        try:
-            yield backend
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        yield backend
     finally:
         groups = [proc for pid in running(state).values() if pid for proc in _family(pid)]
         stopped = subprocess.run([str(VENV_BIN / "python"), "-m", "team", "down", "--state", str(root)], cwd=REPO,
@@ -134,7 +166,8 @@ def team_pipeline(tmp_path_factory: pytest.TempPathFactory, planetoid_folder, pl
     pipeline.first = pipeline.dvc("repro")
     pipeline.commit("first repro")
     # The reproduce runs it made (tests that run later add their own).
-    pipeline.reproduce_runs = {run.info.run_id for run in server_runs(team_backend, REPRODUCE_EXPERIMENT)}
+    with credentials(team_backend):
+        pipeline.reproduce_runs = {run.info.run_id for run in server_runs(team_backend, REPRODUCE_EXPERIMENT)}
     # `make team-remote`: the copy's DVC remote is the backend's bucket, in .dvc/config.local.
     with_team_remote(pipeline, team_backend)
     return pipeline
@@ -150,13 +183,15 @@ def with_team_remote(pipeline: Pipeline, backend: TeamBackend) -> None:
 def seaweedfs_stopped(team_backend: TeamBackend) -> Iterator[None]:
     from team.backend import stop_server
 
+    assert healthy(team_backend), "the object store was not healthy before the test stopped it"
     assert stop_server(team_backend.state, "seaweedfs")
     try:
         yield
     finally:
+        # Left as found: the same store (its data folder, ports and buckets) answering again, for every later test.
         started = team_backend.team("up", "--no-dvc-remote")
         assert started.returncode == 0, started.stdout + started.stderr
-        assert all(team_backend.pids().values()), started.stdout
+        assert healthy(team_backend), f"SeaweedFS did not come back healthy:\n{started.stdout}"
 
 
 def server_runs(backend: TeamBackend, experiment: str) -> list:

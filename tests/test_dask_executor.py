@@ -4,14 +4,15 @@ A module fixture (`dask_cluster`) starts `dask scheduler` and two `dask worker -
 127.0.0.1, dashboards off, as the README's multi-host recipe does, and stops them, with every process they
 started, at the end. Against it, with tiny params, in private copies of the session's pipeline
 (tests/pipeline_support.py): a byte-identical seeds.csv, a worker SIGKILLed mid-run, SIGTERM to the stage.
-The scheduler runs without PYTHONPATH: it needs none of the project's code. On a scheduler and a worker of a
+The scheduler and workers run from a folder that is no checkout, without PYTHONPATH: they import the project as
+the venv has it installed (the scheduler needs none of its code). On a scheduler and a worker of a
 test's own (`doomed_cluster`): the scheduler SIGKILLed mid-run, or every worker, is a one-line error. Without a
 cluster: an unreachable scheduler, and the LocalCluster the stage starts when no scheduler is named (its
 results, and Ctrl-C).
 
 The README's Dask recipes, run as written (on free ports, all on 127.0.0.1): the queued 2 × 2 sweep through a
-scheduler and workers started with its exact command lines, then `make compare`; on the same command lines,
-workers without `PYTHONPATH=$PWD` and a worker whose fused kernel is off are one-line errors. A local worker
+scheduler and workers started with its exact command lines, then `make compare`; workers of an environment without the
+project and, on the README's command lines, a worker whose fused kernel is off are one-line errors. A local worker
 that falls back to the torch kernel is refused too.
 
 Every wait is a poll with a deadline; no test asserts a duration.
@@ -120,24 +121,25 @@ def _log(folder: Path, name: str) -> Any:
 
 
 @contextlib.contextmanager
-def _cluster(folder: Path, checkout: Path, workers: tuple[str, ...]) -> Iterator[DaskCluster]:
-    """`dask scheduler` (without PYTHONPATH) and `dask worker --nthreads 1` processes named `workers`, that import
-    the task from `checkout`; at the end, every process they started is stopped."""
-    env = clean_env() | {"PYTHONPATH": str(checkout)}
+def _cluster(folder: Path, workers: tuple[str, ...], python: Path = VENV_BIN / "python") -> Iterator[DaskCluster]:
+    """`dask scheduler` and `dask worker --nthreads 1` processes named `workers`, of the environment of `python`
+    (the venv's, where the project is installed), started in `folder` (not a checkout) without PYTHONPATH: they
+    import the task as installed. At the end, every process they started is stopped."""
+    env = clean_env()
     started: list[subprocess.Popen] = []
     try:
         scheduler_file = folder / "scheduler.json"
         started.append(subprocess.Popen(
-            [str(VENV_BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+            [str(python), "-m", "dask", "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
              "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(scheduler_file)],
-            cwd=folder, env=clean_env(), stdout=subprocess.DEVNULL, stderr=_log(folder, "scheduler")))  # no PYTHONPATH
+            cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=_log(folder, "scheduler")))
         assert _poll(lambda: scheduler_file.is_file() and scheduler_file.stat().st_size > 0, START_S), \
             (folder / "scheduler.log").read_text()
         time.sleep(0.2)  # the file is written in one go, but let it be closed
         address = json.loads(scheduler_file.read_text())["address"]
         for name in workers:
             started.append(subprocess.Popen(
-                [str(VENV_BIN / "dask"), "worker", address, "--nthreads", "1", "--nworkers", "1", "--no-dashboard",
+                [str(python), "-m", "dask", "worker", address, "--nthreads", "1", "--nworkers", "1", "--no-dashboard",
                  "--dashboard-address", "127.0.0.1:0", "--host", "127.0.0.1", "--name", name,
                  "--local-directory", str(folder / name)],
                 cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=_log(folder, name)))
@@ -151,26 +153,36 @@ def _cluster(folder: Path, checkout: Path, workers: tuple[str, ...]) -> Iterator
 
 
 @pytest.fixture(scope="module")
-def dask_cluster(pipeline: Pipeline, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaskCluster]:
-    # The workers import the task (stages.support.seed_task) from the checkout the stages run from, as the README's
-    # multi-host recipe says: the session pipeline's copy, which every copy of it shares.
-    with _cluster(tmp_path_factory.mktemp("dask"), pipeline.root, ("worker-a", "worker-b")) as cluster:
+def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaskCluster]:
+    """The module's scheduler and two workers (started once: seconds each on a busy machine)."""
+    with _cluster(tmp_path_factory.mktemp("dask"), ("worker-a", "worker-b")) as cluster:
         yield cluster
 
 
 @pytest.fixture
-def doomed_cluster(pipeline: Pipeline, tmp_path: Path) -> Iterator[DaskCluster]:
+def dask_cluster(shared_cluster: DaskCluster) -> Iterator[DaskCluster]:
+    """The module's cluster as every test must find it, whichever ran before: both workers there (a nanny restarts
+    a worker a test killed) and no task of an earlier stage left on it; and so a test leaves it."""
+    shared_cluster.wait_for_workers(2)
+    assert _poll(shared_cluster.idle, 60, 0.5), "an earlier test left tasks on the module's cluster"
+    yield shared_cluster
+    assert _poll(shared_cluster.idle, 60, 0.5), "the test left tasks on the module's cluster"
+
+
+@pytest.fixture
+def doomed_cluster(tmp_path: Path) -> Iterator[DaskCluster]:
     """A scheduler and one worker of the test's own, for a test that kills them."""
     folder = tmp_path / "doomed-cluster"
     folder.mkdir()
-    with _cluster(folder, pipeline.root, ("worker-a",)) as cluster:
+    with _cluster(folder, ("worker-a",)) as cluster:
         yield cluster
 
 
-@pytest.fixture(scope="module")
-def copy(pipeline: Pipeline, tmp_path_factory: pytest.TempPathFactory) -> Pipeline:
-    """One private copy of the session's pipeline for this module's direct stage runs (the sweep has its own)."""
-    return pipeline.copy_to(tmp_path_factory.mktemp("dask-copy") / "gat-repro")
+@pytest.fixture
+def copy(pipeline: Pipeline, tmp_path: Path) -> Pipeline:
+    """A private copy of the session's pipeline for the test's own stage runs: no test sees another's params,
+    runs or outputs."""
+    return pipeline.copy_to(tmp_path / "gat-repro")
 
 
 def _reproduce(pipeline: Pipeline, out: Path, *, address: str | None, check: bool = True,
@@ -223,11 +235,34 @@ def _local_seeds_csv(pipeline: Pipeline, tmp_path: Path) -> bytes:
 
 # ------------------------------------------------------------------------------------------------ results
 
+def _where_it_imports(folder: Path) -> list[str]:
+    """The files of the project that the venv's python imports, started in `folder` without PYTHONPATH."""
+    done = subprocess.run([str(VENV_BIN / "python"), "-c", "import gat, stages.support.seed_task as task; "
+                           "print(gat.__file__); print(task.__file__)"], cwd=folder, env=clean_env(),
+                          capture_output=True, text=True, timeout=START_S, check=True)
+    return done.stdout.split()
+
+
 def test_external_workers_write_the_local_seeds_csv_byte_for_byte(copy: Pipeline, dask_cluster: DaskCluster,
                                                                   tmp_path: Path) -> None:
-    """The session's `dvc repro` ran the local executor (2 processes, 2 seeds per batch); here one seed per task on
-    the cluster's two workers. Each child run records where its seed ran."""
-    dask_cluster.wait_for_workers(2)
+    """`dask scheduler` and two `dask worker` processes, started from a folder that is no checkout and without
+    PYTHONPATH, import the project as installed and run a reproduction. The session's `dvc repro` ran the local
+    executor (2 processes, 2 seeds per batch); here one seed per task on the cluster's two workers: the same
+    seeds.csv, byte for byte. Each child run records where its seed ran."""
+    with dask_cluster.client() as client:
+        def where() -> tuple[str, str | None, str]:
+            import stages.support.seed_task
+
+            return os.getcwd(), os.environ.get("PYTHONPATH"), stages.support.seed_task.__file__
+
+        seen = client.run(where)
+        on_scheduler = client.run_on_scheduler(lambda: (os.getcwd(), os.environ.get("PYTHONPATH")))
+    assert len(seen) == 2
+    installed = _where_it_imports(tmp_path)[1]
+    for cwd, pythonpath, task in seen.values():
+        assert pythonpath is None and Path(cwd) == dask_cluster.folder  # not a checkout
+        assert not (Path(cwd) / "stages").exists() and task == installed
+    assert on_scheduler == (str(dask_cluster.folder), None)
     _reset(copy)
     local = (copy.root / "data/reproduce/cora/seeds.csv").read_bytes()
     before = {run.info.run_id for run in _parents(copy)}
@@ -612,7 +647,7 @@ def test_the_readme_sweep_runs_as_written(pipeline_copy: Pipeline, readme_shell:
     blocks = _readme_dask_blocks()
     sweep = next(block for block in blocks if any(line.startswith("dvc exp run --queue") for line in block))
     assert sweep[0] == "source .venv/bin/activate" and sweep[-1] == "make compare"
-    assert sweep[1].startswith("dask scheduler") and "PYTHONPATH" not in sweep[1]
+    assert sweep[1].startswith("dask scheduler") and not [line for line in sweep if "PYTHONPATH" in line]
     shell = readme_shell(pipeline_copy)
     before = {run.info.run_id for run in _parents(pipeline_copy)}
     try:
@@ -661,41 +696,51 @@ def test_the_readme_sweep_runs_as_written(pipeline_copy: Pipeline, readme_shell:
 
 
 def test_the_readme_multi_host_recipe_matches_the_sweeps() -> None:
-    """The multi-host block's commands are the sweep's, but for the placeholders: the scheduler without
-    PYTHONPATH (it needs none of the project's code), each worker with `PYTHONPATH=$PWD`, `--nthreads 1`."""
+    """The multi-host block's commands are the sweep's, but for the placeholders: the scheduler and each worker
+    as installed, without PYTHONPATH, each worker with `--nthreads 1`."""
     blocks = _readme_dask_blocks()
     (multi_host,) = [block for block in blocks if any("tcp://HOST:8786" in line for line in block)]
     schedulers = [line for block in blocks for line in block if "dask scheduler" in line]
     workers = [line for block in blocks for line in block if "dask worker" in line]
     assert len(schedulers) == 2 and len(workers) == 2, blocks
     assert all(line.startswith("dask scheduler --host ") for line in schedulers)
-    assert all(line.startswith("PYTHONPATH=$PWD dask worker tcp://") and "--nthreads 1" in line for line in workers)
+    assert all(re.match(r"(\.venv/bin/)?dask worker tcp://", line) and "--nthreads 1" in line for line in workers)
+    assert not [line for block in blocks for line in block if "PYTHONPATH" in line]
     assert "export DASK_SCHEDULER_ADDRESS=tcp://HOST:8786" in multi_host
+
+
+def _without_the_project(folder: Path) -> Path:
+    """The python of a virtual environment at `folder` that has every package of the venv but not the project:
+    a worker's environment where nobody ran `make` (the venv's site-packages as a plain path, so its editable
+    install's finder is not set up). Its scheduler and workers run from `folder`, no checkout."""
+    import sys
+
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(folder)],
+                   check=True, capture_output=True, timeout=START_S)
+    (site,) = (folder / "lib").glob("python3*/site-packages")
+    (site / "venv-packages.pth").write_text("".join(f"{path}\n" for path in sys.path if path.endswith("site-packages")))
+    python = folder / "bin" / "python"
+    probe = subprocess.run([str(python), "-c", "import dask, torch, distributed; import stages"], cwd=folder,
+                           env=clean_env(), capture_output=True, text=True, timeout=START_S)
+    assert "No module named 'stages'" in probe.stderr, probe.stderr
+    return python
 
 
 def test_workers_that_cannot_run_the_task_are_one_line_errors(copy: Pipeline, tmp_path: Path,
                                                               readme_shell: Callable[[Pipeline], ReadmeShell]
                                                               ) -> None:
-    """On the README's scheduler: workers started without `PYTHONPATH=$PWD` (they can't import the task), then
-    a worker whose fused kernel is off (it would train with the torch kernel). Each is a one-line error naming the
-    worker, exit 2, the MLflow run FAILED, nothing written. A scheduler that cannot read a task (here: one sent
-    as the project's own objects, not as bytes) is one too."""
+    """Workers of an environment where the project is not installed (they can't import the task), then, on the
+    README's scheduler, a worker whose fused kernel is off (it would train with the torch kernel). Each is a
+    one-line error naming the worker, exit 2, the MLflow run FAILED, nothing written. A scheduler that cannot read
+    a task (here: one of that environment, sent the project's own objects, not bytes) is one too."""
     from stages.support.dask_pool import DaskPool
     from stages.support.params import StageError
 
     _reset(copy, **{"reproduce.executor": "dask"})
-    sweep = next(block for block in _readme_dask_blocks() if any("dask scheduler" in line for line in block))
-    (scheduler,) = [line for line in sweep if line.startswith("dask scheduler")]
-    (worker,) = [line for line in sweep if "dask worker" in line]
-    shell = readme_shell(copy)
-    shell.run("source .venv/bin/activate")
-    shell.run(scheduler)
-    shell.run(worker.removeprefix("PYTHONPATH=$PWD "))
-    shell.wait_for_workers(2)
 
-    def refused(out: Path) -> str:
+    def refused(out: Path, address: str) -> str:
         before = {run.info.run_id for run in copy.runs(REPRODUCE_EXPERIMENT)}
-        done = _reproduce(copy, out, address=shell.address, check=False)
+        done = _reproduce(copy, out, address=address, check=False)
         assert done.returncode == 2, done.stderr
         line = done.stderr.strip().splitlines()[-1]
         assert line.startswith("error: ") and "Traceback" not in done.stderr, done.stderr
@@ -705,24 +750,33 @@ def test_workers_that_cannot_run_the_task_are_one_line_errors(copy: Pipeline, tm
         assert not out.exists()
         return line
 
-    line = refused(tmp_path / "no-pythonpath")
-    assert "the Dask worker tcp://127.0.0.1:" in line and f"of the scheduler at {shell.address}" in line, line
-    assert "No module named 'stages'" in line and "PYTHONPATH=$PWD dask worker" in line, line
+    bare = _without_the_project(tmp_path / "bare-venv")
+    folder = tmp_path / "bare-cluster"
+    folder.mkdir()
+    with _cluster(folder, ("worker-a", "worker-b"), python=bare) as cluster:
+        line = refused(tmp_path / "not-installed", cluster.address)
+        assert "the Dask worker tcp://127.0.0.1:" in line and f"of the scheduler at {cluster.address}" in line, line
+        assert "No module named 'stages'" in line and "source .venv/bin/activate && dask worker" in line, line
 
-    # The scheduler unpickles what it is sent: the project's objects, not bytes, it cannot read.
-    with pytest.MonkeyPatch.context() as patch, \
-            distributed.Client(shell.address, timeout=START_S, set_as_default=False) as client:
-        patch.setattr("stages.support.dask_pool._pickled", lambda value: value)
-        pool = DaskPool(client, None, shell.address)
-        with pytest.raises(StageError, match=f"the Dask scheduler at {shell.address} cannot read the stage's "
-                                             r"tasks \(ModuleNotFoundError: No module named 'stages'\)"):
-            list(pool.as_completed(os.getpid, {}, [()]))
-        pool.cancel()
+        # The scheduler unpickles what it is sent: the project's objects, not bytes, it cannot read.
+        with pytest.MonkeyPatch.context() as patch, \
+                distributed.Client(cluster.address, timeout=START_S, set_as_default=False) as client:
+            patch.setattr("stages.support.dask_pool._pickled", lambda value: value)
+            pool = DaskPool(client, None, cluster.address)
+            with pytest.raises(StageError, match=f"the Dask scheduler at {cluster.address} cannot read the stage's "
+                                                 r"tasks \(ModuleNotFoundError: No module named 'stages'\)"):
+                list(pool.as_completed(os.getpid, {}, [()]))
+            pool.cancel()
 
-    shell.stop(shell.background[1:])  # the workers without PYTHONPATH
+    sweep = next(block for block in _readme_dask_blocks() if any("dask scheduler" in line for line in block))
+    (scheduler,) = [line for line in sweep if line.startswith("dask scheduler")]
+    (worker,) = [line for line in sweep if "dask worker" in line]
+    shell = readme_shell(copy)
+    shell.run("source .venv/bin/activate")
+    shell.run(scheduler)
     shell.run(worker, env={"GAT_FUSED_DISABLE": "1"})
     shell.wait_for_workers(2)
-    line = refused(tmp_path / "torch-kernel")
+    line = refused(tmp_path / "torch-kernel", shell.address)
     assert "the worker tcp://127.0.0.1:" in line and "trained with torch (fused unavailable: GAT_FUSED_DISABLE" \
         in line and "but this stage trains with fused" in line, line
 

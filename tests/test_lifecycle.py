@@ -231,7 +231,7 @@ def _start(script: str, tmp_path: Path, *args: str, **popen: object) -> tuple[su
     path = tmp_path / "stage.py"
     path.write_text(script)
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     with out.open("w") as stdout, err.open("w") as stderr:
         process = subprocess.Popen([*WITH_DEFAULT_SIGNALS, sys.executable, str(path), *args], cwd=tmp_path, env=env,
                                    stdout=stdout, stderr=stderr, **popen)  # type: ignore[call-overload]
@@ -381,7 +381,7 @@ def test_a_stage_stops_when_its_parent_dies(tmp_path: Path, cleanup: Cleanup, th
     (dash does not exec the command; the trailing `:` makes sure of it)."""
     stage = tmp_path / "stage.py"
     stage.write_text(ENDLESS_STAGE)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = dict(os.environ)
     command = f"'{sys.executable}' '{stage}' '{tmp_path / 'out'}'"
     if through_sh:
         command = f'/bin/sh -c "{command}; :"'

@@ -3,7 +3,8 @@
 SeaweedFS frozen (SIGSTOP: its port still accepts connections, nothing answers) is what a hung or overloaded
 store looks like: `dvc push` and `dvc pull` end with DVC's error and a non-zero exit within a bounded time,
 because `python -m team remote` sets the remote's timeouts (team.backend.DVC_REMOTE_TIMEOUTS), and the store
-works again once it is thawed. The freeze is always undone, so later tests in the session keep their store.
+works again once it is thawed. The freeze is always undone, and the store checked to answer again, so later
+tests in the session keep it.
 Plain DVC repositories of a few random bytes stand for the pipeline: no stage has to run.
 """
 
@@ -18,7 +19,7 @@ from typing import Iterator
 
 import psutil
 from pipeline_support import VENV_BIN, Pipeline, clean_env
-from team_support import TeamBackend, with_team_remote
+from team_support import TeamBackend, healthy, with_team_remote
 
 from team.backend import DVC_REMOTE_NAME, DVC_REMOTE_TIMEOUTS
 
@@ -42,6 +43,8 @@ def seaweedfs_frozen(backend: TeamBackend) -> Iterator[None]:
         for process in processes:
             with contextlib.suppress(psutil.Error):
                 process.send_signal(signal.SIGCONT)
+        # The store the session shares, left as it was found: answering, both buckets there, for every later test.
+        assert healthy(backend), "SeaweedFS did not answer again after SIGCONT"
 
 
 def _repository(root: Path, backend: TeamBackend) -> Pipeline:

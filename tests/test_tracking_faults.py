@@ -95,7 +95,7 @@ class Stages:
     """Stand-in stages started in a test, each killed in the end by its pid."""
 
     def __init__(self, tmp_path: Path, env: dict[str, str]) -> None:
-        self.tmp_path, self.env = tmp_path, env | {"PYTHONPATH": str(REPO)}
+        self.tmp_path, self.env = tmp_path, env
         self.script = tmp_path / "stand_in_stage.py"
         self.script.write_text(STAND_IN_STAGE)
         self.started: list[subprocess.Popen] = []
@@ -368,20 +368,20 @@ def _logged_models(uri: str, count: int) -> list[tuple[str, str]]:
 
     from stages.support.store import connect
 
-    os.environ["MLFLOW_TRACKING_URI"] = uri
-    try:
-        connect(TRAIN_EXPERIMENT)
-        logged = []
-        for n in range(count):
-            with mlflow.start_run(experiment_id=MlflowClient().get_experiment_by_name(TRAIN_EXPERIMENT).experiment_id,
-                                  run_name=f"race-{n}") as run:
-                model = mlflow.pytorch.log_model(torch.nn.Linear(2, 2), name="model", serialization_format="pickle",
-                                                 pip_requirements=[])
-            logged.append((model.model_uri, run.info.run_id))
-        return logged
-    finally:
-        del os.environ["MLFLOW_TRACKING_URI"]
-        mlflow.set_tracking_uri(None)
+    with pytest.MonkeyPatch.context() as patch:  # what was there before comes back, set or not
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
+        try:
+            connect(TRAIN_EXPERIMENT)
+            logged = []
+            for n in range(count):
+                with mlflow.start_run(experiment_id=MlflowClient().get_experiment_by_name(TRAIN_EXPERIMENT)
+                                      .experiment_id, run_name=f"race-{n}") as run:
+                    model = mlflow.pytorch.log_model(torch.nn.Linear(2, 2), name="model",
+                                                     serialization_format="pickle", pip_requirements=[])
+                logged.append((model.model_uri, run.info.run_id))
+            return logged
+        finally:
+            mlflow.set_tracking_uri(None)
 
 
 def _wait_ready(go: Path, evaluators: list[subprocess.Popen]) -> None:
@@ -400,7 +400,7 @@ def _race(tmp_path: Path, env: dict[str, str], rounds: int) -> list[str]:
     script = tmp_path / "evaluator.py"
     script.write_text(EVALUATOR)
     val_accs = [0.70, 0.75, 0.80, 0.85]
-    evaluator_env = env | {"PYTHONPATH": str(REPO)}
+    evaluator_env = env
     outcomes = []
     for round_ in range(rounds):
         name, go = f"gat-race-{uuid.uuid4().hex[:8]}", tmp_path / f"go-{round_}"

@@ -20,8 +20,9 @@ The same interface as stages.support.local_pool.WorkerPool.as_completed, the `lo
   scheduler without workers one after WORKERS_S.
 - **The scheduler needs none of the project's code.** Each task reaches it as the standard library's
   functions and bytes that only a worker unpickles (`_unpickled_on_worker`), so `dask scheduler` runs as
-  installed, without PYTHONPATH. A worker that cannot import the project's code (started without
-  `PYTHONPATH=$PWD`) is a one-line error naming it, and so is a scheduler that cannot read a task.
+  installed. A worker imports the project's code as the venv has it installed (`make`: in editable mode), from
+  any folder and without PYTHONPATH; one that cannot (started from another environment, where the project is
+  not installed) is a one-line error naming it, and so is a scheduler that cannot read a task.
 - **The graph travels once** to each worker: it is the result of one task that the batches depend on, so a
   worker fetches it from a peer for its first batch and keeps it. Not `scatter`: scattered data can't be
   recomputed, and a worker that dies with the last replica would take every batch still to run with it.
@@ -66,8 +67,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from stages.support.params import fail
 
 # What to do about a worker that cannot import the project's code.
-START_WORKERS = ("start every worker from the repository root of this checkout, with its .venv active and "
-                 "`PYTHONPATH=$PWD dask worker ...`, as the README's Dask sections show.")
+START_WORKERS = ("start every worker with the .venv of a checkout where `make` installed the project "
+                 "(`source .venv/bin/activate && dask worker ...`), as the README's Dask sections show.")
 # How long a scheduler may take to answer before the stage gives up with an error that names it.
 CONNECT_S = 10.0
 # How long to wait for a scheduler's first worker, and for a worker again once all are gone mid-run.
@@ -138,9 +139,9 @@ def _unpickled_on_worker(payload: bytes, *arguments: Any) -> tuple[Any, ...]:
 
     The scheduler unpickles every task it is sent (distributed >= 2024.12 sends the whole graph pickled), so a
     task whose function or arguments are the project's objects needs `stages` and `gat` importable on the
-    scheduler too: `dask scheduler` started without PYTHONPATH fails every task ("Error during deserialization
-    of the task graph", from `No module named 'stages'`). Here the scheduler sees only the standard library's
-    functions and bytes: `functools.reduce(operator.call, [payload, *arguments], pickle.loads)` is
+    scheduler too: a `dask scheduler` where the project is not installed fails every task ("Error during
+    deserialization of the task graph", from `No module named 'stages'`). Here the scheduler sees only the
+    standard library's functions and bytes: `functools.reduce(operator.call, [payload, *arguments], pickle.loads)` is
     `pickle.loads(payload)(*arguments)` with one argument, and a dependency's future among `arguments` is
     replaced by its result on the worker, as usual.
     """
@@ -182,7 +183,7 @@ class DaskPool:
 
     def run_on_workers(self, function: Callable[[], Any]) -> dict[str, Any]:
         """`function()` on every worker now, by address; a worker that cannot import it (started without the
-        checkout on its PYTHONPATH) is a one-line error here that names it."""
+        project installed in its environment) is a one-line error here that names it."""
         found = self.client.run(function, on_error="return")
         failed = {worker: value for worker, value in found.items() if isinstance(value, BaseException)}
         if failed:
