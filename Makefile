@@ -26,11 +26,11 @@ $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
 	touch $@
 
 # The fused training kernel (gat/csrc/fused.cpp), compiled into .venv/gat-fused/ by the system C++ compiler and
-# self-checked against the torch path (gat/fused_check.py) before it is used.
-# Where that is impossible it says why, and `kernel: fused` trains with the torch kernel instead.
-$(VENV)/.fused: $(VENV)/.runtime gat/csrc/fused.cpp gat/fused.py gat/fused_check.py
-	$(BIN)/python -m gat.fused --build
-	touch $@
+# self-checked against the torch path (gat/fused_check.py) before it is used (tools/build_fused.py).
+# Where that is impossible it says why, leaves no stamp (the next make tries again), and `kernel: fused` trains
+# with the torch kernel instead.
+$(VENV)/.fused: $(VENV)/.runtime gat/csrc/fused.cpp gat/fused.py gat/fused_check.py tools/build_fused.py
+	if $(BIN)/python -m tools.build_fused; then touch $@; fi
 
 ## repro: set up .venv and run the whole pipeline (dvc repro)
 repro: $(VENV)/.runtime $(VENV)/.fused

@@ -62,7 +62,8 @@ def _summary(seconds: list[float]) -> dict:
 
 
 def run(seeds: int, repeats: int) -> dict:
-    from team.backend import State, down, up
+    from team.backend import down, up
+    from team.settings import State
 
     with tempfile.TemporaryDirectory(prefix="gat-bench-") as folder:
         root = Path(folder)

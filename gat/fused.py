@@ -5,25 +5,20 @@ under dropout, the cross-entropy loss, the backward pass of all twelve parameter
 update with coupled L2, in place on the model's parameters. The torch implementation (gat.layers,
 gat.training.train_step) stays the reference; `train.optim.kernel: torch` selects it.
 
-Built with the system C++ compiler (`$CXX`, else g++ or c++) into the virtual environment
-(`<sys.prefix>/gat-fused/`, or `$GAT_FUSED_DIR`), once per source, flags, compiler and CPU: `make` does it before
-anything runs (`python -m gat.fused --build`), and a process that finds no library for them compiles it itself
-(half a minute). Every new build is compared with the torch path on small random graphs (gat.fused_check) before
-it is used; one that disagrees is never used, and training says so and falls back to the torch kernel. Called
+Built by `make` (`python -m tools.build_fused`) with the system C++ compiler (`$CXX`, else g++ or c++) into the
+virtual environment (`<sys.prefix>/gat-fused/`, or `$GAT_FUSED_DIR`), one file per source, self-check, flags,
+compiler and CPU (library_path: the build key), and compared with the torch path on small random graphs
+(gat.fused_check) before it is kept. This module only finds and loads that build, and never writes a file: where
+there is none, or its self-check rejected it, `kernel: fused` trains with the torch kernel and says why. Called
 through ctypes: plain C functions, no Python or torch headers, so a build needs nothing but the compiler.
 
 Dropout masks are drawn inside the kernel from each replica's numpy PCG64 generator
 (gat.dropout.ReplicaDropout) through numpy's C interface, consumed exactly as ReplicaDropout.keep consumes
 it: both kernels draw the same masks from the same seed, and the generators end in the same state.
-
-    python -m gat.fused --build                 # build (or find) the library; says why when it cannot
-    python -m gat.fused --build --fingerprint   # and the weights' hash after a short run (same on every build)
-    GAT_FUSED_CXXFLAGS="-O3 -march=x86-64-v3" python -m gat.fused --build   # another optimisation or CPU level
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import hashlib
 import os
@@ -31,7 +26,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,7 +127,8 @@ class _Adam(ctypes.Structure):
                 ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double), ("step", ctypes.c_double)]
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C++ compiler a build uses: $CXX, else g++, else c++ (None: none on PATH)."""
     for name in (os.environ.get("CXX"), "g++", "c++"):
         if name and shutil.which(name):
             return name
@@ -154,101 +149,54 @@ def library_path(compiler: str) -> Path:
     return library_dir() / f"gat_fused-{key.hexdigest()[:16]}.so"
 
 
-def _digest_file(path: Path) -> Path:
+def digest_file(path: Path) -> Path:
     """Where the SHA-256 of a build that passed its self-check is recorded; a library is loaded only if it matches."""
     return path.with_suffix(".sha256")
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _rejection(path: Path) -> Path:
+def rejection_file(path: Path) -> Path:
     """Where a build that failed its self-check is recorded (with the difference), so that it isn't rebuilt."""
     return path.with_suffix(".rejected")
 
 
-def build(verbose: bool = False) -> Path:
-    """The library for the current source, compiled and self-checked unless it is there already.
-
-    A new build is loaded and compared with the torch path (gat.fused_check) on the machine that built it, before
-    anything uses it: one that disagrees is never used (FusedUnavailable names the check), and the verdict is kept
-    beside it, so that later processes fall back at once. Raises FusedUnavailable.
-    """
+def built_library() -> Path:
+    """The checked build for the current source, flags, compiler and CPU, as `make` left it. Raises FusedUnavailable
+    (why there is none: disabled, no compiler, rejected by its self-check, or not built)."""
     if os.environ.get("GAT_FUSED_DISABLE"):
         raise FusedUnavailable("GAT_FUSED_DISABLE is set")
-    compiler = _compiler()
-    if compiler is None:
+    found = compiler()
+    if found is None:
         raise FusedUnavailable("no C++ compiler ($CXX, g++ or c++) on PATH; install g++ to build it")
-    path = library_path(compiler)
-    if _rejection(path).is_file():
-        raise FusedUnavailable(_rejection(path).read_text().strip())
-    if path.is_file() and _digest_file(path).is_file():
-        return path
-    try:
-        return _compile_and_check(compiler, path, verbose)
-    except OSError as error:  # a read-only or full build folder
-        raise FusedUnavailable(f"cannot write the build into {path.parent} ({error.strerror or error}); set "
-                               "GAT_FUSED_DIR to a writable folder") from None
+    path = library_path(found)
+    if rejection_file(path).is_file():
+        raise FusedUnavailable(rejection_file(path).read_text().strip())
+    if not (path.is_file() and digest_file(path).is_file()):
+        raise FusedUnavailable(f"not built: no {path.name} in {path.parent}; `make` builds it "
+                               "(python -m tools.build_fused)")
+    return verified(path)
 
 
-def _compile_and_check(compiler: str, path: Path, verbose: bool) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Compiled and checked under a temporary name, then renamed: processes building at once never load half a file,
-    # and nothing finds a build that has not passed its check.
-    fd, partial = tempfile.mkstemp(prefix=path.stem, suffix=".so.partial", dir=path.parent)
-    os.close(fd)
-    try:
-        command = [compiler, *cxxflags(), str(SOURCE), "-o", partial]
-        if verbose:
-            print(" ".join(command), file=sys.stderr)
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no output"])[0]
-            raise FusedUnavailable(f"{compiler} failed to compile {SOURCE.name} (exit {done.returncode}): {first}")
-        from gat import fused_check
-
-        difference = fused_check.disagreement(_load(Path(partial)))
-        if difference is not None:
-            chosen = " ".join(cxxflags()[:-len(SEMANTIC_FLAGS)])
-            reason = (f"the build {path.name} ({chosen}) failed its self-check against the torch "
-                      f"path: {difference}; rebuild with GAT_FUSED_CXXFLAGS=-O2 or another compiler")
-            _write_atomically(_rejection(path), reason + "\n")
-            raise FusedUnavailable(reason)
-        # The checked bytes' hash first, then the library: a library without its hash is never loaded.
-        _write_atomically(_digest_file(path), _sha256(Path(partial)) + "\n")
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return path
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    fd, partial = tempfile.mkstemp(prefix=path.name, suffix=".partial", dir=path.parent)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(partial, path)
-
-
-def _verified(path: Path) -> Path:
+def verified(path: Path) -> Path:
     """`path`, if it holds the bytes that passed the self-check (the hash recorded beside it at build time); a
     truncated, damaged or replaced library would crash the process that loads it (SIGBUS, SIGSEGV), or run other
     code. Raises FusedUnavailable."""
     try:
-        recorded = _digest_file(path).read_text().strip()
-        matches = _sha256(path) == recorded
+        recorded = digest_file(path).read_text().strip()
+        matches = sha256_of(path) == recorded
     except OSError as error:
         raise FusedUnavailable(f"cannot read the built library {path} or its recorded hash ({error.strerror}); "
-                               f"delete {path.parent} and run `python -m gat.fused --build`") from None
+                               f"delete {path.parent} and run `make`") from None
     if not matches:
         raise FusedUnavailable(f"{path} is not the library that was built and checked (its SHA-256 differs from "
-                               f"the one recorded at build time: damaged or replaced); delete it and run "
-                               "`python -m gat.fused --build`")
+                               "the one recorded at build time: damaged or replaced); delete it and run `make`")
     return path
 
 
-def _load(path: Path) -> Any:
+def load(path: Path) -> Any:
     """The library at `path`, its functions typed. Raises FusedUnavailable."""
     try:
         lib = ctypes.CDLL(str(path))
@@ -275,14 +223,14 @@ _UNAVAILABLE: str | None = None
 
 
 def library() -> Any:
-    """The loaded library (built and checked first if need be), once per process. Raises FusedUnavailable."""
+    """The loaded library (the checked build `make` left), once per process. Raises FusedUnavailable."""
     global _LIBRARY, _UNAVAILABLE
     if _LIBRARY is not None:
         return _LIBRARY
     if _UNAVAILABLE is not None:
         raise FusedUnavailable(_UNAVAILABLE)
     try:
-        _LIBRARY = _load(_verified(build()))
+        _LIBRARY = load(built_library())
     except FusedUnavailable as error:
         _UNAVAILABLE = str(error)
         raise
@@ -506,28 +454,3 @@ def fallback_warning(reason: str) -> None:
         # One line wherever it is shown (a stage, a worker): no source line under it (line 0 has none).
         warnings.warn_explicit(f"the fused kernel is unavailable ({reason}); training with the torch kernel instead",
                                FusedFallbackWarning, filename="gat.fused", lineno=0, module="gat.fused")
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m gat.fused", description=__doc__.split("\n")[0])
-    parser.add_argument("--build", action="store_true", help="build and self-check the library now (make does)")
-    parser.add_argument("--fingerprint", action="store_true",
-                        help="then print the SHA-256 of the float32 weights after a short training run: the same on "
-                             "every build, CPU and optimisation level")
-    arguments = parser.parse_args(argv)
-    try:
-        path = build(verbose=True)
-        lib = library()
-    except FusedUnavailable as error:
-        # Not an error for make: training falls back to the torch kernel and says so.
-        print(f"gat.fused: not built ({error}); `kernel: fused` will train with the torch kernel", file=sys.stderr)
-        sys.exit(2 if arguments.fingerprint else 0)
-    print(f"gat.fused: {path} (self-check passed)")
-    if arguments.fingerprint:
-        from gat import fused_check
-
-        print(f"fingerprint: {fused_check.fingerprint(lib)}")
-
-
-if __name__ == "__main__":
-    main()

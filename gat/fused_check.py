@@ -2,8 +2,9 @@
 
 A compiler can miscompile correct code (GCC 12.2 did, at -O3 with AVX2: the README's "The fused kernel"), and
 optimisation levels, vector widths and CPUs differ between the machine that wrote the kernel and the one that
-builds it. So gat.fused runs `disagreement(lib)` on every new build, on the machine that built it, before the
-build is used: small random graphs through both kernels, under dropout and without, compared on
+builds it. So the build (tools.build_fused) runs `disagreement(lib)` on every new build, on the machine that
+built it, before the build is kept: small random graphs through both kernels, under dropout and without, compared
+on
 
 - the forward pass (logits, loss, accuracy) and the gradients of all twelve parameters in float32, to float32
   rounding, in each code path of the kernel: the paper's layout (8 heads of 8, one output head), another layout

@@ -250,10 +250,10 @@ def planned_kernel(config: ModelConfig, optim: OptimConfig, num_classes: int, de
     return kernel_name(optim, fused_unavailable(config, num_classes, device) if optim.kernel == "fused" else None)
 
 
-def training_kernel(model: GAT, optim: OptimConfig, train_view: NodeView,
-                    val_view: NodeView) -> tuple[TorchKernel | fused.FusedTrainer, str]:
-    """`optim.kernel`'s implementation and its kernel_name; the torch kernel where the fused one cannot run, said
-    once per process."""
+def select_training_kernel(model: GAT, optim: OptimConfig, train_view: NodeView,
+                           val_view: NodeView) -> tuple[TorchKernel | fused.FusedTrainer, str]:
+    """The implementation that will train, and its kernel_name (what TrainResult.kernel and the `training_kernel` tag
+    record): `optim.kernel`'s, or the torch kernel where the fused one cannot run, said once per process."""
     reason = None
     if optim.kernel == "fused":
         device = next(model.parameters()).device
@@ -274,7 +274,7 @@ def train(graph: GraphTensors, config: ModelConfig, optim: OptimConfig, seeds: S
     Replicas share nothing but the batch: each has its own init, dropout stream, optimiser
     state and stopping epoch. A replica that stops is removed from the batch, so the rest
     run faster; the result of a seed is the same alone or among others. `optim.kernel` picks
-    the implementation of each epoch's step and validation pass (:func:`training_kernel`).
+    the implementation of each epoch's step and validation pass (:func:`select_training_kernel`).
     """
     seeds = tuple(int(s) for s in seeds)
     device = graph.labels.device
@@ -286,7 +286,7 @@ def train(graph: GraphTensors, config: ModelConfig, optim: OptimConfig, seeds: S
     active = np.arange(len(seeds))  # the replicas still training, by their index in `seeds`
 
     train_view, val_view = (NodeView.of(graph, nodes, model.n_layers) for nodes in (graph.train_idx, graph.val_idx))
-    kernel, kernel_used = training_kernel(model, optim, train_view, val_view)
+    kernel, kernel_used = select_training_kernel(model, optim, train_view, val_view)
     for epoch in range(1, optim.max_epochs + 1):
         train_loss, train_acc = kernel.step(noise)
 

@@ -9,7 +9,9 @@ import os
 import sys
 from pathlib import Path
 
-from team.backend import PORT_ENV, Settings, State, TeamError, configure_dvc_remote, default_state, down, status, up
+from team.backend import configure_dvc_remote, down, status, up
+from team.ports import PORT_ENV
+from team.settings import Settings, State, TeamError, default_state
 
 
 def check_settings(state: State) -> None:

@@ -27,7 +27,9 @@ import pytest
 from pipeline_support import REPO, TINY, VENV_BIN, Pipeline, clean_env, copy_project
 
 from stages.support.store import REPRODUCE_EXPERIMENT
-from team.backend import ARTIFACTS_BUCKET, DVC_BUCKET, Settings, State, running, s3_client
+from team.backend import running
+from team.servers import s3_client
+from team.settings import ARTIFACTS_BUCKET, DVC_BUCKET, Settings, State
 
 
 @dataclass
@@ -181,7 +183,7 @@ def with_team_remote(pipeline: Pipeline, backend: TeamBackend) -> None:
 
 @pytest.fixture
 def seaweedfs_stopped(team_backend: TeamBackend) -> Iterator[None]:
-    from team.backend import stop_server
+    from team.processes import stop_server
 
     assert healthy(team_backend), "the object store was not healthy before the test stopped it"
     assert stop_server(team_backend.state, "seaweedfs")

@@ -252,7 +252,7 @@ def test_a_corrupt_team_settings_file_is_one_line_and_exit_2(tmp_path: Path, com
 
 def test_intact_team_settings_pass_the_check(tmp_path: Path) -> None:
     from team.__main__ import check_settings
-    from team.backend import State
+    from team.settings import State
 
     (tmp_path / "settings.json").write_text(json.dumps(SETTINGS))
     check_settings(State(tmp_path))

@@ -22,6 +22,7 @@ from gat.dropout import ReplicaDropout
 from gat.fused_check import CASES, check_double_precision, check_step, check_validation, checks, random_graph
 from gat.model import GAT
 from gat.training import GraphTensors, NodeView, train, train_step
+from tools import build_fused
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -176,11 +177,13 @@ def test_a_failed_build_says_why(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("CXX", str(broken))
     monkeypatch.setenv("GAT_FUSED_DIR", str(tmp_path / "built"))
     with pytest.raises(fused.FusedUnavailable, match="exit 3"):
-        fused.build()
+        build_fused.build()
     assert not list((tmp_path / "built").glob("*.so*"))  # no partial library left behind
-    done = subprocess.run([sys.executable, "-m", "gat.fused", "--build"], cwd=REPO, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "tools.build_fused"], cwd=REPO, capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin", "CXX": str(broken), "GAT_FUSED_DIR": str(tmp_path / "built")})
-    assert done.returncode == 0 and "not built" in done.stderr and "torch kernel" in done.stderr, done.stderr
+    # A failure make sees (so it leaves no stamp), said in one line: training falls back to the torch kernel.
+    assert done.returncode == 1 and "not built" in done.stderr and "torch kernel" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 2 and "Traceback" not in done.stderr  # the command, the reason
 
 
 def test_the_benchmark_times_the_fused_kernel_and_compares_the_kernels(cora_graph: Graph) -> None:
@@ -220,7 +223,7 @@ def test_a_build_that_disagrees_with_the_torch_path_is_never_used(small_graph: G
     monkeypatch.setattr(fused, "_UNAVAILABLE", None)
     monkeypatch.setattr(fused, "_FALLBACK_SAID", False)
     with pytest.raises(fused.FusedUnavailable, match="failed its self-check against the torch path: .*∂L/∂hidden"):
-        fused.build()
+        build_fused.build()
     assert [p.suffix for p in (tmp_path / "built").iterdir()] == [".rejected"]  # no library, no partial file
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -261,7 +264,7 @@ def test_a_damaged_library_is_never_loaded(damage: str, small_graph: GraphTensor
     """The library's bytes are checked against the hash recorded when it was built and checked: a truncated file
     (SIGBUS once loaded), flipped bytes (SIGSEGV) or another library under its name (AttributeError) are refused
     before they are loaded, and training runs on the torch kernel, said in one line."""
-    built = fused.build()
+    built = fused.built_library()
     copy_of = tmp_path / built.name
     copy_of.write_bytes(built.read_bytes())
     (tmp_path / built.with_suffix(".sha256").name).write_bytes(built.with_suffix(".sha256").read_bytes())
@@ -292,11 +295,74 @@ def test_an_unwritable_build_folder_is_one_line(small_graph: GraphTensors, tmp_p
     """A build folder that can't be created (root ignores file modes, so: a path under a regular file)."""
     (tmp_path / "a-file").write_text("")
     _fresh_library(monkeypatch, tmp_path / "a-file" / "gat-fused")
-    reason = fused.unavailable_reason()
-    assert reason is not None and reason.startswith("cannot write the build into ") and "GAT_FUSED_DIR" in reason
-    done = subprocess.run([sys.executable, "-m", "gat.fused", "--build"], cwd=REPO, capture_output=True, text=True,
+    with pytest.raises(fused.FusedUnavailable, match="^cannot write the build into .*GAT_FUSED_DIR"):
+        build_fused.build()
+    reason = fused.unavailable_reason()  # the library only looks: nothing there, and `make` is what builds it
+    assert reason is not None and reason.startswith("not built: ") and "`make` builds it" in reason, reason
+    done = subprocess.run([sys.executable, "-m", "tools.build_fused"], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "GAT_FUSED_DIR": str(tmp_path / "a-file" / "gat-fused")})
-    assert done.returncode == 0 and "Traceback" not in done.stderr and "cannot write the build" in done.stderr
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "cannot write the build" in done.stderr
+
+
+# Run in a process of its own: every file gat's own code opens for writing, creates, moves or deletes, as Python's
+# audit events see them (open and os.open, os.mkdir, os.rename/replace, os.remove, ...), printed as `wrote: ...`.
+# gat's own: the innermost frame outside the standard library is in gat/ (torch makes its cache folders itself).
+NEVER_WRITES = """
+import os, sys, sysconfig, warnings
+
+WRITES = {"os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "os.truncate", "os.symlink", "os.link",
+          "os.chmod", "os.utime", "shutil.copyfile", "shutil.rmtree"}
+STDLIB = sysconfig.get_paths()["stdlib"]
+GAT = os.path.join(os.getcwd(), "gat") + os.sep
+
+def written_by_gat():
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith((STDLIB, "<")):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(GAT)
+
+def audit(event, args):
+    if event == "open" and args[0] is not None and not isinstance(args[0], int):
+        mode, flags = args[1], args[2]
+        writes = (mode and any(c in mode for c in "wax+")) or (flags & 0o3 or flags & 0o100)
+    else:
+        writes = event in WRITES
+    if writes and written_by_gat():
+        print("wrote:", event, args, flush=True)
+
+sys.addaudithook(audit)
+from gat import fused
+from gat.config import ModelConfig, OptimConfig
+from gat.fused_check import random_graph
+from gat.training import GraphTensors, train
+
+graph = GraphTensors.from_graph(random_graph(num_nodes=60, num_features=20, num_classes=3, edges=150, seed=0))
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", fused.FusedFallbackWarning)
+    result = train(graph, ModelConfig(4, 2, 1, 0.5, 0.2), OptimConfig(0.01, 5e-4, 3, 5, "fused"), [0, 1])
+print("kernel:", result.kernel)
+"""
+
+
+def test_the_library_never_writes_a_file(tmp_path: Path) -> None:
+    """gat.fused finds and loads what `make` built; it never compiles or writes (tools.build_fused does). Where
+    there is no build, training asks for the fused kernel, gets the torch one, and TrainResult says which ran."""
+    built = fused.built_library()
+    with_library, empty = tmp_path / "built", tmp_path / "empty"
+    with_library.mkdir()
+    empty.mkdir()
+    for path in (built, fused.digest_file(built)):
+        (with_library / path.name).write_bytes(path.read_bytes())
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(tmp_path)}
+    env.pop("GAT_FUSED_DISABLE", None)
+    for folder, kernel in ((with_library, "fused"), (empty, "torch (fused unavailable: not built: ")):
+        before = sorted((p.name, p.stat().st_mtime_ns) for p in folder.iterdir())
+        done = subprocess.run([sys.executable, "-c", NEVER_WRITES], cwd=REPO, capture_output=True, text=True,
+                              env={**env, "GAT_FUSED_DIR": str(folder)}, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "wrote:" not in done.stdout, done.stdout
+        assert done.stdout.splitlines()[-1].startswith(f"kernel: {kernel}"), done.stdout
+        assert sorted((p.name, p.stat().st_mtime_ns) for p in folder.iterdir()) == before
 
 
 def test_the_kernel_that_trained_is_named(small_graph: GraphTensors) -> None:

@@ -1,8 +1,8 @@
 """The fused kernel built several ways on this one machine: the stand-in for "another CPU, another compiler setting".
 
 Each build (-O3 at the x86-64 levels v2, v3 and v4 where the CPU has AVX-512, -march=native, and one with
-AddressSanitizer and UndefinedBehaviorSanitizer) is compiled into a folder of its own by `python -m gat.fused
---build --fingerprint`, in a process of its own, which
+AddressSanitizer and UndefinedBehaviorSanitizer) is compiled into a folder of its own by `python -m
+tools.build_fused --fingerprint`, in a process of its own, which
 
 - runs the build's self-check (gat.fused_check: forward, float32 and float64 gradients, validation and Adam steps
   against the torch path, on small random graphs), so every build passes the kernel's correctness checks;
@@ -68,7 +68,7 @@ def build_and_fingerprint(optimisation: str, folder: Path, extra_env: dict[str, 
         runtime = subprocess.run([COMPILER or "g++", "-print-file-name=libasan.so"], capture_output=True,
                                  text=True).stdout.strip()
         env["LD_PRELOAD"] = runtime
-    done = subprocess.run([sys.executable, "-m", "gat.fused", "--build", "--fingerprint"], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-m", "tools.build_fused", "--fingerprint"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "self-check passed" in done.stdout, (optimisation, done.stdout, done.stderr[-3000:])
     assert "runtime error" not in done.stderr and "ERROR: AddressSanitizer" not in done.stderr, done.stderr[-3000:]

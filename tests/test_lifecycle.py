@@ -325,6 +325,32 @@ def test_workers_die_with_a_killed_parent(tmp_path: Path, cleanup: Cleanup) -> N
         process.kill()
 
 
+# POOL_STAGE whose workers cannot arm PR_SET_PDEATHSIG (as where prctl is missing): an option prctl refuses, set at
+# the top of the script, which each spawned worker runs again before its initializer.
+NO_PDEATHSIG_STAGE = POOL_STAGE.replace("from stages.support.local_pool import worker_pool\n", """\
+from stages.support import local_pool
+from stages.support.local_pool import worker_pool
+local_pool._PR_SET_PDEATHSIG = -1
+""")
+
+
+def test_workers_without_pdeathsig_exit_with_a_killed_parent(tmp_path: Path, cleanup: Cleanup) -> None:
+    """The fallback where the kernel can't be asked: each worker polls its parent (stages.support.supervision, as
+    the stage's watchdog does) and exits within a poll of its death."""
+    process, out, err = _start(NO_PDEATHSIG_STAGE, tmp_path, "600", "600", "600")
+    try:
+        cleanup.watch(process.pid)
+        _wait_started(process, out, err)
+        cleanup.watch(process.pid)
+        workers = _workers(process.pid)
+        assert len(workers) == 2 and not any(_armed(worker) for worker in workers)  # not renamed: not armed
+        process.send_signal(signal.SIGKILL)
+        assert process.wait(timeout=STOP_S) == -signal.SIGKILL
+        assert _poll(lambda: not _alive(workers), REAP_S), f"orphaned: {[p.pid for p in _alive(workers)]}"
+    finally:
+        process.kill()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_signal_stops_running_jobs_at_once(tmp_path: Path, cleanup: Cleanup, signum: int) -> None:
     """Ctrl-C (SIGINT) and a closed terminal (SIGHUP, which the shell sends to its jobs) reach the whole

@@ -18,7 +18,8 @@ from pipeline_support import REPO, VENV_BIN, Pipeline, clean_env, ran
 from team_support import TeamBackend, server_runs, with_team_remote
 
 from stages.support.store import DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT
-from team.backend import ARTIFACTS_BUCKET, DVC_BUCKET, choose_ports
+from team.ports import choose_ports
+from team.settings import ARTIFACTS_BUCKET, DVC_BUCKET
 
 QUEUE_TIMEOUT_S = 900
 

@@ -2,7 +2,7 @@
 
 SeaweedFS frozen (SIGSTOP: its port still accepts connections, nothing answers) is what a hung or overloaded
 store looks like: `dvc push` and `dvc pull` end with DVC's error and a non-zero exit within a bounded time,
-because `python -m team remote` sets the remote's timeouts (team.backend.DVC_REMOTE_TIMEOUTS), and the store
+because `python -m team remote` sets the remote's timeouts (team.settings.DVC_REMOTE_TIMEOUTS), and the store
 works again once it is thawed. The freeze is always undone, and the store checked to answer again, so later
 tests in the session keep it.
 Plain DVC repositories of a few random bytes stand for the pipeline: no stage has to run.
@@ -21,7 +21,7 @@ import psutil
 from pipeline_support import VENV_BIN, Pipeline, clean_env
 from team_support import TeamBackend, healthy, with_team_remote
 
-from team.backend import DVC_REMOTE_NAME, DVC_REMOTE_TIMEOUTS
+from team.settings import DVC_REMOTE_NAME, DVC_REMOTE_TIMEOUTS
 
 # How long a push or pull against the frozen store may take: measured ~100 s with DVC_REMOTE_TIMEOUTS (both
 # were still running, silent, after 200 s without them).

@@ -23,7 +23,8 @@ from pipeline_support import REPO, VENV_BIN, clean_env
 from team_support import TeamBackend
 
 from stages.support.store import COMPARE_EXPERIMENT, TRAIN_EXPERIMENT
-from team.backend import ARTIFACTS_BUCKET, DVC_BUCKET, pipeline_names
+from team.names import pipeline_names
+from team.settings import ARTIFACTS_BUCKET, DVC_BUCKET
 
 urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
 
@@ -358,7 +359,7 @@ def test_a_model_changed_in_the_store_is_refused_before_its_code_runs(team_pipel
 
 def test_team_up_makes_data_from_before_private_again(team_backend: TeamBackend) -> None:
     """A store made before the data was private (0644 files in 0755 folders) is the owner's alone after a start."""
-    from team.backend import stop_server
+    from team.processes import stop_server
 
     state = team_backend.state
     assert stop_server(state, "seaweedfs")

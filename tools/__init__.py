@@ -1,2 +1,2 @@
 """Commands outside the pipeline: the tracking store's set-up (`make ui`), the comparison of reproduced
-configurations (`make compare`)."""
+configurations (`make compare`), the fused kernel's build (`make`)."""

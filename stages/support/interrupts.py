@@ -1,4 +1,4 @@
-"""Interrupts and process supervision: SIGTERM, Ctrl-C, SIGHUP and a dead parent stop a stage within seconds,
+"""Interrupts: SIGTERM, Ctrl-C, SIGHUP and a dead parent (stages.support.supervision) stop a stage within seconds,
 with its MLflow run FAILED and no output; `main` runs a stage under them."""
 
 from __future__ import annotations
@@ -15,15 +15,10 @@ import torch
 from gat.config import ParamsError
 from stages.support.files import OUTPUT_HOLD, disk_full, no_space
 from stages.support.params import StageError
+from stages.support.supervision import PARENT_POLL_S, first_gone, lineage, process_name
 
-# How often a stage checks that its parent (dvc, a shell) is still there.
-PARENT_POLL_S = 0.5
 # How soon a stop that could not act yet (the main thread was in a database write) is tried again.
 RETRY_STOP_S = 0.05
-# dvc runs a stage's cmd with `/bin/sh -c` (or $SHELL), and Debian's dash does not exec the command: when
-# dvc dies, the shell lives on as the stage's parent. The watchdog looks through shells to the first
-# process that is not one.
-SHELLS = frozenset({"sh", "dash", "bash", "zsh", "fish", "ksh", "mksh", "busybox"})
 # The last resort when a stop was asked for and the stage still runs (the SystemExit was swallowed by code
 # that catches everything): exit without cleaning up. Cleaning up takes about a second.
 FORCE_EXIT_S = 30.0
@@ -36,39 +31,6 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
     except (OSError, ValueError):
         pass
-
-
-def _comm(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return None
-
-
-def _process_name(pid: int) -> str:
-    comm = _comm(pid)
-    return f"{comm}, pid {pid}" if comm else f"pid {pid}"
-
-
-def _parent_of(pid: int) -> int | None:
-    """The parent's pid from /proc/<pid>/stat, or None once `pid` is gone. The command name (field 2) may
-    hold spaces and parentheses, so the fields are counted after its closing parenthesis."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[1])
-
-
-def _lineage() -> list[int]:
-    """This process's parent, and its ancestors up to the first that is not a shell (dvc, say)."""
-    chain = [os.getppid()]
-    while _comm(chain[-1]) in SHELLS:
-        grandparent = _parent_of(chain[-1])
-        if grandparent is None or grandparent <= 1:
-            break
-        chain.append(grandparent)
-    return chain
 
 
 # Code that a stop must not interrupt halfway: a SystemExit raised inside an SQLAlchemy session (MLflow's store) can
@@ -86,16 +48,6 @@ def _inside_uninterruptible(frame: Any) -> bool:
     return False
 
 
-def _first_gone(lineage: list[int]) -> int | None:
-    """The first process of `lineage` that is no longer where it was (each one the parent of the one before)."""
-    if os.getppid() != lineage[0]:
-        return lineage[0]
-    for child, parent in zip(lineage, lineage[1:]):
-        if _parent_of(child) != parent:
-            return parent
-    return None
-
-
 class _Interrupts:
     """SIGTERM, SIGINT, SIGHUP and the death of the parent process all become one SystemExit in the main thread.
 
@@ -111,8 +63,8 @@ class _Interrupts:
     def __init__(self) -> None:
         import threading
 
-        self.lineage = _lineage()
-        self.names = {pid: _process_name(pid) for pid in self.lineage}
+        self.lineage = lineage()
+        self.names = {pid: process_name(pid) for pid in self.lineage}
         self.main_thread = threading.get_ident()  # signal handlers only install from the main thread
         self.reason: str | None = None  # why the watchdog stops the stage, when it does
         self.signum: int | None = None  # the stop asked for, once it is
@@ -165,7 +117,7 @@ class _Interrupts:
                     os._exit(128 + self.signum)
                 if self.pending is None and not self.exiting:
                     signal.pthread_kill(self.main_thread, self.signum)
-            elif not parent_gone and (gone := _first_gone(self.lineage)) is not None:
+            elif not parent_gone and (gone := first_gone(self.lineage)) is not None:
                 parent_gone = True
                 self.reason = f"the parent process ({self.names[gone]}) is gone"
                 # To the main thread itself, so that a blocking wait there is interrupted at once.

@@ -14,7 +14,8 @@
   (PR_SET_PDEATHSIG, armed by each worker once it has started: then it also renames itself
   WORKER_NAME, as `ps` and `top` show it). A worker still starting (importing torch and the
   stage's modules, a few seconds) when its parent dies exits as soon as it has started.
-  Where prctl is missing (not Linux), a thread in each worker polls the parent instead.
+  Where prctl is missing (not Linux), a thread in each worker polls the parent instead
+  (stages.support.supervision, the stage's own watchdog's test of a parent gone).
 - Jobs' tensors reach the workers as file descriptors, handed over by a thread of multiprocessing's
   (resource_sharer) in the stage. A worker killed while it fetches one leaves that thread a reset
   connection, which it prints as a traceback; once the pool has killed its workers, that is expected
@@ -46,6 +47,7 @@ from types import TracebackType
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from stages.support.params import fail
+from stages.support.supervision import exit_with_parent, first_gone
 
 # <linux/prctl.h>
 _PR_SET_PDEATHSIG = 1
@@ -77,16 +79,10 @@ def _die_with_parent(parent_pid: int) -> None:
         except (OSError, AttributeError):
             armed = False
     # The parent may have died before prctl: the worker was then re-parented and nothing will signal it.
-    if os.getppid() != parent_pid:
+    if first_gone([parent_pid]) is not None:
         os._exit(1)
     if not armed:  # no prctl (another OS): watch the parent instead
-        threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
-
-
-def _watch_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(_POLL_S)
-    os._exit(1)
+        exit_with_parent(parent_pid)
 
 
 def _start_worker(parent_pid: int) -> None:
