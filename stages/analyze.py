@@ -26,37 +26,13 @@ import numpy as np
 import torch
 from threadpoolctl import threadpool_limits
 
-from gat.analysis import (
-    attention_entropy,
-    neighbourhood,
-    pick_examples,
-    portable_inspect,
-    row_shares,
-    silhouette,
-    tsne,
-    two_hop_sizes,
-    uniform_entropy,
-)
+from gat.analysis import (attention_entropy, neighbourhood, pick_examples, portable_inspect, row_shares, silhouette,
+                          tsne, two_hop_sizes, uniform_entropy)
 from gat.training import GraphTensors
-from stages.support.figures import (
-    class_names,
-    confusion_figure,
-    curves_figure,
-    embedding_figure,
-    entropy_figure,
-    neighbourhood_figure,
-    png_bytes,
-)
-from stages.support.files import (
-    RUN_JSON,
-    load_evaluation,
-    load_json,
-    load_model,
-    load_prepared,
-    outputs_together,
-    require,
-    write_atomic,
-)
+from stages.support.figures import (class_names, confusion_figure, curves_figure, embedding_figure, entropy_figure,
+                                    neighbourhood_figure, png_bytes)
+from stages.support.files import (RUN_JSON, load_evaluation, load_json, load_model, load_prepared, outputs_together,
+                                  require, write_atomic)
 from stages.support.interrupts import main
 from stages.support.params import ArgumentParser, fail, load_params
 from stages.support.tracking import stage_run

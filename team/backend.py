@@ -35,20 +35,8 @@ from team.names import claim_names
 from team.ports import PORT_NAMES, choose_ports
 from team.processes import recorded_pid, stop_server
 from team.servers import start_mlflow, start_postgres, start_seaweedfs
-from team.settings import (
-    ADMIN_USER,
-    DVC_REMOTE_NAME,
-    DVC_REMOTE_TIMEOUTS,
-    JWT_SECTIONS,
-    REGION,
-    Settings,
-    State,
-    TeamError,
-    new_jwt_keys,
-    repo_root,
-    say,
-    write_private,
-)
+from team.settings import (ADMIN_USER, DVC_REMOTE_NAME, DVC_REMOTE_TIMEOUTS, JWT_SECTIONS, REGION, Settings, State,
+                           TeamError, new_jwt_keys, repo_root, say, write_private)
 
 SERVERS = ("postgres", "seaweedfs", "mlflow")
 

@@ -12,19 +12,8 @@ import sys
 from pathlib import Path
 
 from team.processes import spawn, wait_ready
-from team.settings import (
-    ADMIN_USER,
-    ARTIFACTS_BUCKET,
-    DB_USER,
-    DVC_BUCKET,
-    JWT_SECTIONS,
-    REGION,
-    Settings,
-    State,
-    TeamError,
-    say,
-    write_private,
-)
+from team.settings import (ADMIN_USER, ARTIFACTS_BUCKET, DB_USER, DVC_BUCKET, JWT_SECTIONS, REGION, Settings, State,
+                           TeamError, say, write_private)
 
 # ---------------------------------------------------------------------------------------------- PostgreSQL
 

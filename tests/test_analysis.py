@@ -14,21 +14,9 @@ import pytest
 import torch
 from pipeline_support import Pipeline
 
-from gat.analysis import (
-    _neighbour_graph,
-    attention_entropy,
-    confusion_counts,
-    neighbourhood,
-    pairwise_distances,
-    pca_init,
-    pick_examples,
-    portable_inspect,
-    row_shares,
-    silhouette,
-    tsne,
-    two_hop_sizes,
-    uniform_entropy,
-)
+from gat.analysis import (_neighbour_graph, attention_entropy, confusion_counts, neighbourhood, pairwise_distances,
+                          pca_init, pick_examples, portable_inspect, row_shares, silhouette, tsne, two_hop_sizes,
+                          uniform_entropy)
 from gat.config import ModelConfig
 from gat.graph import Neighbourhoods, SparseFeatures
 from gat.model import GAT

@@ -309,44 +309,30 @@ def test_a_handover_to_a_killed_worker_prints_no_traceback(tmp_path: Path, clean
     assert ("Traceback" in err.read_text()) == (pool_end == "closed"), err.read_text()
 
 
-def test_workers_die_with_a_killed_parent(tmp_path: Path, cleanup: Cleanup) -> None:
-    process, out, err = _start(POOL_STAGE, tmp_path, "600", "600", "600")
-    try:
-        cleanup.watch(process.pid)
-        _wait_started(process, out, err)
-        cleanup.watch(process.pid)
-        workers = _workers(process.pid)
-        assert len(workers) == 2 and all(_armed(worker) for worker in workers)
-        process.send_signal(signal.SIGKILL)
-        assert process.wait(timeout=STOP_S) == -signal.SIGKILL
-        assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S), \
-            f"orphaned: {[p.pid for p in _alive(cleanup.seen.values())]}"
-    finally:
-        process.kill()
-
-
 # POOL_STAGE whose workers cannot arm PR_SET_PDEATHSIG (as where prctl is missing): an option prctl refuses, set at
 # the top of the script, which each spawned worker runs again before its initializer.
 NO_PDEATHSIG_STAGE = POOL_STAGE.replace("from stages.support.local_pool import worker_pool\n", """\
 from stages.support import local_pool
 from stages.support.local_pool import worker_pool
-local_pool._PR_SET_PDEATHSIG = -1
+local_pool.PR_SET_PDEATHSIG = -1
 """)
 
 
-def test_workers_without_pdeathsig_exit_with_a_killed_parent(tmp_path: Path, cleanup: Cleanup) -> None:
-    """The fallback where the kernel can't be asked: each worker polls its parent (stages.support.supervision, as
-    the stage's watchdog does) and exits within a poll of its death."""
-    process, out, err = _start(NO_PDEATHSIG_STAGE, tmp_path, "600", "600", "600")
+@pytest.mark.parametrize("armed", [True, False], ids=["pdeathsig", "polling"])
+def test_workers_die_with_a_killed_parent(tmp_path: Path, cleanup: Cleanup, armed: bool) -> None:
+    """Workers die with a SIGKILLed stage: through PR_SET_PDEATHSIG, or, where the kernel can't be asked, by polling
+    their parent (stages.support.supervision, as the stage's watchdog does) within a poll of its death."""
+    process, out, err = _start(POOL_STAGE if armed else NO_PDEATHSIG_STAGE, tmp_path, "600", "600", "600")
     try:
         cleanup.watch(process.pid)
         _wait_started(process, out, err)
         cleanup.watch(process.pid)
         workers = _workers(process.pid)
-        assert len(workers) == 2 and not any(_armed(worker) for worker in workers)  # not renamed: not armed
+        assert len(workers) == 2 and all(_armed(worker) == armed for worker in workers)  # armed workers rename
         process.send_signal(signal.SIGKILL)
         assert process.wait(timeout=STOP_S) == -signal.SIGKILL
-        assert _poll(lambda: not _alive(workers), REAP_S), f"orphaned: {[p.pid for p in _alive(workers)]}"
+        assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S), \
+            f"orphaned: {[p.pid for p in _alive(cleanup.seen.values())]}"
     finally:
         process.kill()
 

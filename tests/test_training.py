@@ -10,18 +10,8 @@ from gat.data import Graph
 from gat.dropout import ReplicaDropout
 from gat.graph import csr_beta_warning_silenced
 from gat.model import GAT
-from gat.training import (
-    EarlyStopping,
-    EpochMetrics,
-    GraphTensors,
-    NodeView,
-    TrainResult,
-    loss_and_accuracy,
-    predict,
-    resolve_device,
-    train,
-    train_step,
-)
+from gat.training import (EarlyStopping, EpochMetrics, GraphTensors, NodeView, TrainResult, loss_and_accuracy,
+                          predict, resolve_device, train, train_step)
 
 CONFIG = ModelConfig(hidden_features=4, heads=2, output_heads=1, dropout=0.6, leaky_relu_negative_slope=0.2)
 OPTIM = OptimConfig(lr=0.2, weight_decay=5e-4, max_epochs=30, patience=5)  # a high lr: replicas stop early, apart

@@ -9,15 +9,8 @@ fails; `make repro` and `make ui` run this first so the store always exists. Wit
 
 from stages.support.interrupts import main
 from stages.support.params import ArgumentParser
-from stages.support.store import (
-    COMPARE_EXPERIMENT,
-    DATA_EXPERIMENT,
-    REPRODUCE_EXPERIMENT,
-    TRAIN_EXPERIMENT,
-    connect,
-    shown_uri,
-    ui_url,
-)
+from stages.support.store import (COMPARE_EXPERIMENT, DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT,
+                                  connect, shown_uri, ui_url)
 
 
 def run() -> None:

@@ -50,7 +50,7 @@ from stages.support.params import fail
 from stages.support.supervision import exit_with_parent, first_gone
 
 # <linux/prctl.h>
-_PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 # What `ps`, `top` and psutil call a worker once it is armed to die with its parent (its comm, at most 15 bytes).
 WORKER_NAME = "gat-worker"
@@ -73,7 +73,7 @@ def _die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+            armed = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
             if armed:
                 libc.prctl(_PR_SET_NAME, WORKER_NAME.encode(), 0, 0, 0)
         except (OSError, AttributeError):
