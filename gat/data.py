@@ -81,7 +81,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
             ) from None
 
 
-def _unpickle(data: bytes, name: str, expected: type) -> Any:
+def restricted_unpickle(data: bytes, name: str, expected: type) -> Any:
     """Unpickle one file; every way it can fail is an UnpicklingError or ValueError naming `name`."""
     try:
         # latin1 decodes the Python 2 byte strings inside numpy arrays unchanged.
@@ -320,9 +320,10 @@ def parse_planetoid(raw: Mapping[str, bytes], dataset: str) -> Graph:
     missing = [name for name in names.values() if name not in raw]
     if missing:
         raise ValueError(f"missing raw files: {', '.join(missing)}")
-    x, tx, allx = (_unpickle(raw[names[part]], names[part], sparse.csr_matrix) for part in ("x", "tx", "allx"))
-    y, ty, ally = (_unpickle(raw[names[part]], names[part], np.ndarray) for part in ("y", "ty", "ally"))
-    adjacency_lists = _unpickle(raw[names["graph"]], names["graph"], dict)
+    x, tx, allx = (restricted_unpickle(raw[names[part]], names[part], sparse.csr_matrix)
+                   for part in ("x", "tx", "allx"))
+    y, ty, ally = (restricted_unpickle(raw[names[part]], names[part], np.ndarray) for part in ("y", "ty", "ally"))
+    adjacency_lists = restricted_unpickle(raw[names["graph"]], names["graph"], dict)
     for part, matrix in (("x", x), ("tx", tx), ("allx", allx)):
         _check_features(matrix, names[part])
     for part, labels in (("y", y), ("ty", ty), ("ally", ally)):

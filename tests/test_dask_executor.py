@@ -761,7 +761,7 @@ def test_workers_that_cannot_run_the_task_are_one_line_errors(copy: Pipeline, tm
         # The scheduler unpickles what it is sent: the project's objects, not bytes, it cannot read.
         with pytest.MonkeyPatch.context() as patch, \
                 distributed.Client(cluster.address, timeout=START_S, set_as_default=False) as client:
-            patch.setattr("stages.support.dask_pool._pickled", lambda value: value)
+            patch.setattr("stages.support.dask_pool.cloudpickled", lambda value: value)
             pool = DaskPool(client, None, cluster.address)
             with pytest.raises(StageError, match=f"the Dask scheduler at {cluster.address} cannot read the stage's "
                                                  r"tasks \(ModuleNotFoundError: No module named 'stages'\)"):

@@ -179,7 +179,7 @@ def cora_raw(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
 
 
 def _load(raw: dict[str, bytes], name: str) -> object:
-    return data._unpickle(raw[name], name, object)
+    return data.restricted_unpickle(raw[name], name, object)
 
 
 def _pickled(value: object) -> bytes:
@@ -218,9 +218,9 @@ class _Encode:
 
 @pytest.mark.parametrize("args", [("abc", "utf-8"), ("abc", "rot13"), (b"abc", "latin1"), ("abc", "latin1", "strict")])
 def test_codecs_encode_is_refused_except_for_latin1_byte_strings(args: tuple[object, ...]) -> None:
-    assert data._unpickle(pickle.dumps(_Encode("ab\xff", "latin1"), protocol=2), "ok", bytes) == b"ab\xff"
+    assert data.restricted_unpickle(pickle.dumps(_Encode("ab\xff", "latin1"), protocol=2), "ok", bytes) == b"ab\xff"
     with pytest.raises(pickle.UnpicklingError, match=r"ind\.cora\.y: refusing _codecs\.encode"):
-        data._unpickle(pickle.dumps(_Encode(*args), protocol=2), "ind.cora.y", bytes)
+        data.restricted_unpickle(pickle.dumps(_Encode(*args), protocol=2), "ind.cora.y", bytes)
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -101,7 +101,7 @@ def _replace_raw_file(workdir: Path, monkeypatch: pytest.MonkeyPatch, name: str,
 
 
 def _with_nan_feature(raw: Path) -> bytes:
-    features = data._unpickle((raw / "ind.cora.tx").read_bytes(), "ind.cora.tx", object)
+    features = data.restricted_unpickle((raw / "ind.cora.tx").read_bytes(), "ind.cora.tx", object)
     features.data[0] = float("nan")
     return pickle.dumps(features, protocol=4)
 
@@ -113,7 +113,7 @@ def _with_duplicate_test_id(raw: Path) -> bytes:
 
 def _graph_of(raw: Path, change) -> bytes:
     """ind.cora.graph with `change` applied to its dict of node -> neighbour list."""
-    adjacency = data._unpickle((raw / "ind.cora.graph").read_bytes(), "ind.cora.graph", dict)
+    adjacency = data.restricted_unpickle((raw / "ind.cora.graph").read_bytes(), "ind.cora.graph", dict)
     return pickle.dumps(change(adjacency), protocol=4)
 
 

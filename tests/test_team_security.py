@@ -237,7 +237,7 @@ def test_evaluate_refuses_a_champion_another_user_made(team_backend: TeamBackend
         # As the admin: the model's MANAGE holder is another user.
         "owner": "promote_if_champion('0' * 32, 'gat-squatted', 'models:/none', 0.9)",
         # Without the right to list users (a colleague with EDIT): the champion's run is not the pipeline's.
-        "champion": "_refuse_a_foreign_champion(MlflowClient(), 'gat-squatted', "
+        "champion": "refuse_a_foreign_champion(MlflowClient(), 'gat-squatted', "
                     "MlflowClient().get_model_version_by_alias('gat-squatted', 'champion'))",
         "experiment": "refuse_a_foreign_name('experiment', 'squatter2-playground', "
                       "MlflowClient().get_experiment_by_name('squatter2-playground').experiment_id)",
@@ -248,7 +248,7 @@ def test_evaluate_refuses_a_champion_another_user_made(team_backend: TeamBackend
     for what, call in refusals.items():
         check = ("from mlflow.tracking import MlflowClient\n"
                  "from stages.support.interrupts import main\n"
-                 "from stages.support.champion import _refuse_a_foreign_champion, promote_if_champion\n"
+                 "from stages.support.champion import refuse_a_foreign_champion, promote_if_champion\n"
                  "from stages.support.store import refuse_a_foreign_name, use_store\n"
                  f"main(lambda: (use_store(), {call}))\n")
         done = subprocess.run([str(VENV_BIN / "python"), "-c", check], cwd=REPO,

@@ -71,7 +71,7 @@ def load_verified_model(uri: str):
         return mlflow.pytorch.load_model(str(local))
 
 
-def _refuse_a_foreign_champion(client: MlflowClient, model: str, current) -> None:
+def refuse_a_foreign_champion(client: MlflowClient, model: str, current) -> None:
     """Stop, in one line, when the champion was not made by this pipeline: its run is not in the training
     experiment (another user created the registered model first, and owns it and its alias)."""
     try:
@@ -102,7 +102,7 @@ def promote_if_champion(run_id: str, model: str, model_uri: str, val_acc: float)
                 pass  # not registered yet: made below, by this user
         if current is not None:
             refuse_a_foreign_name("registered model", model, model)
-            _refuse_a_foreign_champion(client, model, current)
+            refuse_a_foreign_champion(client, model, current)
             best = float(current.tags.get("val_acc", "nan"))
             if current.run_id == run_id or not val_acc > best:
                 return (f"champion stays {model} version {current.version} (val_acc {best:.4f}; "

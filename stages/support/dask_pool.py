@@ -129,7 +129,7 @@ def run_task(function: Callable[..., Any], job: tuple[Any, ...], shared: Any) ->
     return function(shared, *job, should_stop=_still_wanted())
 
 
-def _pickled(value: Any) -> bytes:
+def cloudpickled(value: Any) -> bytes:
     """`value` as bytes that only a worker unpickles (`_unpickled_on_worker`)."""
     return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -204,10 +204,10 @@ class DaskPool:
         # worker holding the last one would cancel every batch still to run.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Sending large graph")  # Pubmed's is 12 MB: sent once
-            graph = self.client.submit(pickle.loads, _pickled(shared), key=f"graph-{run}", pure=False)
+            graph = self.client.submit(pickle.loads, cloudpickled(shared), key=f"graph-{run}", pure=False)
         # One named key per batch: `train_seeds-<run>-<batch>` reads well on the dashboard, and is never
         # shared with another stage's tasks.
-        futures = {self.client.submit(*_unpickled_on_worker(_pickled(functools.partial(run_task, function, job)),
+        futures = {self.client.submit(*_unpickled_on_worker(cloudpickled(functools.partial(run_task, function, job)),
                                                             graph),
                                       key=f"train_seeds-{run}-{index}", pure=False): index
                    for index, job in enumerate(jobs)}
