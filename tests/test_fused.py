@@ -184,6 +184,15 @@ def test_a_failed_build_says_why(tmp_path: Path, monkeypatch) -> None:
     # A failure make sees (so it leaves no stamp), said in one line: training falls back to the torch kernel.
     assert done.returncode == 1 and "not built" in done.stderr and "torch kernel" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 2 and "Traceback" not in done.stderr  # the command, the reason
+    # make's rule runs that command and stamps .venv/.fused only when it succeeds: the next `make` tries again.
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    made = subprocess.run(["make", "--no-print-directory", "-o", f"{venv}/.runtime", f"VENV={venv}",
+                           f"BIN={Path(sys.executable).parent}", f"{venv}/.fused"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "CXX": str(broken), "GAT_FUSED_DIR": str(tmp_path / "built")})
+    assert made.returncode == 0 and "not built" in made.stderr, made.stdout + made.stderr
+    assert not (venv / ".fused").exists()
 
 
 def test_the_benchmark_times_the_fused_kernel_and_compares_the_kernels(cora_graph: Graph) -> None:
