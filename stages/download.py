@@ -15,6 +15,7 @@ from stages.support import fetch
 from stages.support.files import atomic_dir
 from stages.support.interrupts import main
 from stages.support.params import ArgumentParser, load_params
+from stages.support.redaction import redact
 from stages.support.store import DATA_EXPERIMENT
 from stages.support.tracking import logged_params, stage_run, standard_tags
 
@@ -28,7 +29,7 @@ def run() -> None:
     settings = params.download
     expected = fetch.pinned(args.dataset)
     source = fetch.resolve_source(settings.base_url)
-    shown_source = fetch.redact(str(source))  # a mirror URL may carry a password
+    shown_source = redact(str(source))  # a mirror URL may carry a password
 
     with stage_run(DATA_EXPERIMENT, f"download-{args.dataset}", tags=standard_tags(args.dataset, expected)):
         # `dataset` and `source` (the mirror, when GAT_DATA_MIRROR names one) are not in params.yaml.

@@ -20,6 +20,7 @@ from stages.support import fetch
 from stages.support.files import atomic_dir, require, write_json
 from stages.support.interrupts import main
 from stages.support.params import ArgumentParser, fail, load_params
+from stages.support.redaction import redact
 from stages.support.store import DATA_EXPERIMENT
 from stages.support.tracking import log_dataset, logged_params, stage_run, standard_tags
 
@@ -71,7 +72,7 @@ def run() -> None:
             torch.save(graph_to_tensors(graph), staging / "graph.pt")
             write_json(staging / "meta.json", meta)
         mlflow.log_artifact(str(args.out / "meta.json"))
-        log_dataset(args.dataset, fetch.redact(params.download.base_url), expected, context="preprocess")
+        log_dataset(args.dataset, redact(params.download.base_url), expected, context="preprocess")
     counts = "/".join(str(part["count"]) for part in meta["splits"].values())
     print(f"{args.dataset}: {meta['num_nodes']:,} nodes, {meta['num_edges']:,} edges, {meta['num_features']:,} "
           f"features, {meta['num_classes']} classes; {settings.split} split {counts} -> {args.out}")

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from gat.config import ModelConfig, training_memory_bytes
 from gat.model import NodeClassifier, model_state
 from gat.training import EpochMetrics, GraphTensors, train
-from stages.support.fetch import redact
+from stages.support.redaction import redact
 from stages.support.figures import curves_figure
 from stages.support.files import load_prepared, outputs_together, write_atomic, write_csv, write_json
 from stages.support.interrupts import main

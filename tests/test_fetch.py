@@ -11,7 +11,7 @@ import pytest
 from conftest import LoopbackServer, PlanetoidFolder
 
 from gat.datasets import file_names, sha256_file
-from stages.support import fetch
+from stages.support import fetch, redaction
 from stages.support.files import atomic_dir
 from stages.support.params import StageError
 
@@ -154,7 +154,7 @@ def test_read_verified_refuses_a_changed_file(planetoid_folder: PlanetoidFolder,
     ("/srv/planetoid@2016", "/srv/planetoid@2016"),
 ])
 def test_redact_hides_the_userinfo_secret(url: str, shown: str) -> None:
-    assert fetch.redact(url) == shown
+    assert redaction.redact(url) == shown
 
 
 def _with_password(base_url: str) -> str:

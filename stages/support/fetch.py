@@ -8,14 +8,13 @@ MIN_RATE_BYTES_S, response headers that take over 2 x timeout_s + 1 s (a server 
 them), or a checksum mismatch fails at once.
 
 A mirror URL may carry credentials (`https://user:password@host/...`): requests sends
-them, but every message, log line and MLflow param shows the URL through `redact`.
+them, but every message, log line and MLflow param shows the URL through `redact` (stages.support.redaction).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import socket
 import threading
@@ -33,6 +32,7 @@ from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from gat.datasets import DATASETS, ChecksumError, check_sha256, sha256_file, verify_raw
 from stages.support.params import fail, repo_root
+from stages.support.redaction import redact, redact_text
 
 MIRROR_ENV = "GAT_DATA_MIRROR"
 
@@ -50,48 +50,6 @@ MIN_RATE_BYTES_S = 4 * 1024
 
 class _Transient(Exception):
     """A failed attempt worth repeating: a 5xx or a body shorter than announced."""
-
-
-def _userinfo(url: str) -> str | None:
-    """The `user:password` (or lone `user`) before the host of `url`; None without one, or for a path."""
-    _scheme, separator, rest = url.partition("://")
-    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
-    userinfo, at, _host = authority.rpartition("@")
-    return userinfo if separator and at else None
-
-
-def _redacted_userinfo(userinfo: str) -> str:
-    user, colon, _password = userinfo.partition(":")
-    # A lone user name is usually a token, so it goes too.
-    return f"{user}:***" if colon else "***"
-
-
-def redact(url: str) -> str:
-    """`url` for messages and logs: `http://user:secret@host/x` -> `http://user:***@host/x`.
-
-    A lone user name (`https://token@host/x`) becomes `***`; a URL without userinfo, or a
-    local path, is returned unchanged.
-    """
-    userinfo = _userinfo(url)
-    return url if userinfo is None else url.replace(f"{userinfo}@", f"{_redacted_userinfo(userinfo)}@", 1)
-
-
-_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
-
-
-def redact_urls(text: str) -> str:
-    """`text` (a message that may quote URLs) with the user and password of every URL in it replaced by `***`."""
-    return _USERINFO.sub(r"\1***@", text)
-
-
-def _redact_text(text: str, url: str) -> str:
-    """`text` (an exception's message, which may quote the URL) with `url`'s userinfo masked, decoded or not."""
-    userinfo = _userinfo(url)
-    if userinfo is None:
-        return text
-    for form in {userinfo, urllib.parse.unquote(userinfo)}:
-        text = text.replace(f"{form}@", f"{_redacted_userinfo(userinfo)}@")
-    return text
 
 
 def pinned(dataset: str) -> dict[str, str]:
@@ -250,9 +208,9 @@ def _download(session: requests.Session, sockets: _Sockets, url: str, target: Pa
             if attempt < retries:
                 time.sleep(BACKOFF_S * 2**attempt)
         except (requests.RequestException, urllib3.exceptions.HTTPError) as error:
-            fail(f"could not download {redact(url)} ({_redact_text(str(error), url)}; not retried): check "
+            fail(f"could not download {redact(url)} ({redact_text(str(error), url)}; not retried): check "
                  f"download.base_url in params.yaml or {MIRROR_ENV}.")
-    fail(f"could not download {redact(url)} after {retries + 1} attempts ({_redact_text(str(last_error), url)}). "
+    fail(f"could not download {redact(url)} after {retries + 1} attempts ({redact_text(str(last_error), url)}). "
          f"Check the network, raise download.retries or download.timeout_s in params.yaml, or set {MIRROR_ENV} "
          "to a mirror.")
 

@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from gat.config import Params
+from stages.support.redaction import redact_urls
 
 
 def repo_root() -> Path:
@@ -112,7 +113,6 @@ def check_tracking_uri() -> None:
         scheme, problem = "", f"it is not a URI ({error})"
     else:
         problem = f"MLflow reads no `{scheme}://` store" if scheme else ""
-    from stages.support.fetch import redact_urls
 
     if scheme.split("+")[0] in TRACKING_SCHEMES or not problem:
         problem = _store_unusable(uri, scheme)

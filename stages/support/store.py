@@ -21,7 +21,7 @@ from filelock import FileLock
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from stages.support.fetch import redact_urls
+from stages.support.redaction import redact_urls
 from stages.support.files import disk_full, no_space
 from stages.support.params import fail, repo_root
 

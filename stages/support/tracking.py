@@ -17,7 +17,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from gat.config import Params, flatten
-from stages.support.fetch import redact
+from stages.support.redaction import redact
 from stages.support.params import fail, parse_params_yaml
 from stages.support.store import (CLEANUP_TIMEOUT_S, SERVER_ERRORS, connect, from_server, is_server, process_tags,
                                   shown_uri,
