@@ -105,12 +105,6 @@ def pinned_checksums(names: Iterable[str] | None = None) -> dict[str, str]:
     return {name: checksums[name] for name in names}
 
 
-def sha256_file(path: Path) -> str:
-    """The SHA-256 of a file's bytes, read in chunks."""
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
 def check_sha256(name: str, actual: str, expected: str) -> None:
     """The one checksum check: ChecksumError naming `name` unless `actual` is the pinned `expected`."""
     if actual != expected:

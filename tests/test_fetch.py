@@ -10,7 +10,7 @@ from typing import Callable
 import pytest
 from conftest import LoopbackServer, PlanetoidFolder
 
-from gat.datasets import file_names, sha256_file
+from gat.datasets import file_names
 from stages.support import fetch, redaction
 from stages.support.files import atomic_dir
 from stages.support.params import StageError
@@ -37,7 +37,7 @@ def test_good_download_is_verified(planetoid_folder: PlanetoidFolder, planetoid_
     sizes = _fetch_into(out, planetoid_url, _expected(planetoid_folder))
     assert sorted(path.name for path in out.iterdir()) == sorted(NAMES)
     assert sizes == {name: (planetoid_folder.path / name).stat().st_size for name in NAMES}
-    assert {name: sha256_file(out / name) for name in NAMES} == _expected(planetoid_folder)
+    assert {name: fetch.sha256_file(out / name) for name in NAMES} == _expected(planetoid_folder)
 
 
 def test_wrong_checksum_fails_and_leaves_nothing(planetoid_folder: PlanetoidFolder, planetoid_url: str,
@@ -83,7 +83,7 @@ def test_503_then_200_succeeds(planetoid_folder: PlanetoidFolder, serve_folder: 
     server = serve_folder(planetoid_folder.path, faults={"ind.cora.x": ["503", "503"]})
     _fetch_into(tmp_path / "cora", server.base_url, _expected(planetoid_folder), retries=2)
     assert server.requests.count("ind.cora.x") == 3
-    assert sha256_file(tmp_path / "cora" / "ind.cora.x") == planetoid_folder.checksums["ind.cora.x"]
+    assert fetch.sha256_file(tmp_path / "cora" / "ind.cora.x") == planetoid_folder.checksums["ind.cora.x"]
 
 
 def test_404_fails_at_once_naming_the_url(planetoid_folder: PlanetoidFolder,

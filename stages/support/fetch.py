@@ -14,6 +14,7 @@ them, but every message, log line and MLflow param shows the URL through `redact
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import socket
@@ -30,7 +31,7 @@ from tqdm import tqdm
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from gat.datasets import DATASETS, ChecksumError, check_sha256, sha256_file, verify_raw
+from gat.datasets import DATASETS, ChecksumError, check_sha256, verify_raw
 from stages.support.params import fail, repo_root
 from stages.support.redaction import redact, redact_text
 
@@ -50,6 +51,12 @@ MIN_RATE_BYTES_S = 4 * 1024
 
 class _Transient(Exception):
     """A failed attempt worth repeating: a 5xx or a body shorter than announced."""
+
+
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in chunks."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def pinned(dataset: str) -> dict[str, str]:
