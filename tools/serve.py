@@ -113,6 +113,8 @@ def run() -> None:
     parser.add_argument("--dataset", default="cora", help="serve gat-<dataset>@champion (default: cora)")
     parser.add_argument("--port", type=int, help="the port on 127.0.0.1 (default: a free one)")
     args = parser.parse_args()
+    # No progress bar on stderr for each file downloaded (here, and by the mlflow CLI, which copies the model again).
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     if args.port is not None:
         check_port(args.port)
     with tempfile.TemporaryDirectory(prefix="gat-serve-") as folder:
