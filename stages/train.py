@@ -141,8 +141,8 @@ def run() -> None:
         example = graph.test_idx[:5].numpy()
         buffer = io.BytesIO()
         torch.save(model_state(model, graph.num_features, graph.num_classes, [settings.seed]), buffer)
-        logged_model = log_served_model(buffer.getvalue(), args.data / "graph.pt", settings.dataset, example,
-                                        classifier(torch.from_numpy(example)).numpy())
+        logged_model = log_served_model(buffer.getvalue(), args.data / "graph.pt", settings.dataset, graph.num_nodes,
+                                        example, classifier(torch.from_numpy(example)).numpy())
 
         with outputs_together():
             write_atomic(args.out / "model.pt", buffer.getvalue())
@@ -156,7 +156,7 @@ def run() -> None:
           f"(val acc {float(result.best_val_acc[0]):.4f}) -> {args.out}")
 
 
-def log_served_model(state: bytes, graph_file: Path, dataset: str, example, output):
+def log_served_model(state: bytes, graph_file: Path, dataset: str, num_nodes: int, example, output):
     """Log `gat-<dataset>` as a models-from-code pyfunc (stages/support/served_model.py) with the weights and the
     graph as tensor files: loading it unpickles no object, and MLflow recommends it over the pytorch flavour's
     pickle (which warns on every save; pt2 export, the other option, cannot trace the sparse CSR features)."""
@@ -169,7 +169,7 @@ def log_served_model(state: bytes, graph_file: Path, dataset: str, example, outp
     with tempfile.TemporaryDirectory() as folder, no_progress_bar:
         (Path(folder) / "model.pt").write_bytes(state)
         # No input schema: MLflow's scoring server would cast the JSON to it (1.9 to node 1) before the model
-        # sees it; served_model.node_ids checks the ids instead (its message says what they are).
+        # sees it; served_model.node_ids checks the ids instead, and the MLmodel's metadata says what they are.
         signature = ModelSignature(inputs=None, outputs=Schema([TensorSpec(output.dtype, (-1, output.shape[1]))]))
         # "INFO Validating input example against model signature", and a progress bar per artifact copied into
         # the model: two lines a clean run has no use for. A warning still shows.
@@ -179,6 +179,7 @@ def log_served_model(state: bytes, graph_file: Path, dataset: str, example, outp
                 name=model_name(dataset), python_model=SERVED_MODEL, code_paths=[str(Path(gat.__file__).parent)],
                 artifacts={"model": str(Path(folder) / "model.pt"), "graph": str(graph_file)},
                 model_config={"dataset": dataset}, signature=signature, input_example=example,
+                metadata={"input": f"node ids: a non-empty list of int64 from 0 to {num_nodes - 1}"},
                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"])
         finally:
             quiet.setLevel(level)

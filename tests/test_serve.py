@@ -177,6 +177,10 @@ def test_the_loaded_model_equals_the_trained_model_bit_for_bit(champion: Champio
     predicted = loaded.predict(every_node)
     assert predicted.dtype == expected.dtype == np.float32 and predicted.shape == (NODES, 7)
     assert predicted.tobytes() == expected.tobytes()
+    # No input schema (MLflow's server would cast 1.9 to 1 by it); the metadata says what the model takes.
+    info = mlflow.models.get_model_info(run["model_uri"])
+    assert info.signature.inputs is None
+    assert info.metadata == {"input": f"node ids: a non-empty list of int64 from 0 to {NODES - 1}"}
     # What was logged is tensor files and code: nothing in the model is a pickled object.
     local = Path(mlflow.artifacts.download_artifacts(run["model_uri"], dst_path=str(champion.root / "model")))
     assert sorted(path.name for path in (local / "artifacts").iterdir()) == ["graph.pt", "model.pt"]
