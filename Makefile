@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DVC_NO_ANALYTICS := 1
 PIP_INSTALL := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: repro test test-all lint ui bench bench-team bench-scale compare figures constraints clean team-up team-down team-status team-remote system-deps
+.PHONY: repro test test-all lint ui serve bench bench-team bench-scale compare figures constraints clean team-up team-down team-status team-remote system-deps
 
 # The project itself is installed in editable mode (pyproject.toml): the venv's python imports gat, stages and tools
 # from any folder, with no PYTHONPATH.
@@ -67,6 +67,12 @@ ui: $(VENV)/.runtime
 	       --backend-store-uri "$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}" \
 	       --artifacts-destination "$(CURDIR)/mlartifacts" ;; \
 	esac
+
+## serve: serve a dataset's champion (models:/gat-<dataset>@champion) over HTTP on 127.0.0.1 until Ctrl-C:
+## DATASET=cora by default, PORT=<n> or a free port; it prints the address once the server answers
+DATASET ?= cora
+serve: $(VENV)/.runtime
+	$(RUN) $(BIN)/python -m tools.serve --dataset "$(DATASET)" $(if $(PORT),--port "$(PORT)")
 
 ## team-up: start the team backend on 127.0.0.1 (PostgreSQL, SeaweedFS S3, MLflow server with a login),
 ## state in .team/, client settings in .team/env, this clone's DVC remote on its bucket; a no-op when up

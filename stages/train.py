@@ -11,12 +11,17 @@ the model, named `gat-<dataset>`.
 from __future__ import annotations
 
 import io
+import logging
+import os
+import tempfile
 from pathlib import Path
+from unittest.mock import patch
 
 import mlflow
 import torch
 from tqdm import tqdm
 
+import gat
 from gat.config import ModelConfig, training_memory_bytes
 from gat.model import NodeClassifier, model_state
 from gat.training import EpochMetrics, GraphTensors, train
@@ -29,6 +34,8 @@ from stages.support.store import NOTE, TRAIN_EXPERIMENT, model_name
 from stages.support.tracking import EpochLogger, describe_run, log_dataset, logged_params, stage_run, standard_tags
 
 GIB = 2**30
+# The logged model's code, which MLflow copies into the model and runs when it loads it.
+SERVED_MODEL = str(Path(__file__).with_name("support") / "served_model.py")
 
 
 def available_memory(device: torch.device) -> int:
@@ -131,15 +138,12 @@ def run() -> None:
                           "training_curves.png")
         model = result.model.cpu()
         classifier = NodeClassifier(model, tensors.x.to("cpu"), tensors.neighbourhoods.to("cpu"))
-        example = graph.test_idx[:5]
-        # Pickle, not MLflow's default pt2 export, which cannot trace sparse CSR tensors; gat/ travels with it.
-        logged_model = mlflow.pytorch.log_model(
-            classifier, name=model_name(settings.dataset), code_paths=["gat"], serialization_format="pickle",
-            input_example=example.numpy(), pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-            signature=mlflow.models.infer_signature(example.numpy(), classifier(example).numpy()))
-
+        example = graph.test_idx[:5].numpy()
         buffer = io.BytesIO()
         torch.save(model_state(model, graph.num_features, graph.num_classes, [settings.seed]), buffer)
+        logged_model = log_served_model(buffer.getvalue(), args.data / "graph.pt", settings.dataset, graph.num_nodes,
+                                        example, classifier(torch.from_numpy(example)).numpy())
+
         with outputs_together():
             write_atomic(args.out / "model.pt", buffer.getvalue())
             write_csv(args.out / "history.csv", history)
@@ -150,6 +154,35 @@ def run() -> None:
                                               "best_epoch": best_epoch})
     print(f"{settings.dataset}: stopped after {epochs} epochs, restored epoch {best_epoch} "
           f"(val acc {float(result.best_val_acc[0]):.4f}) -> {args.out}")
+
+
+def log_served_model(state: bytes, graph_file: Path, dataset: str, num_nodes: int, example, output):
+    """Log `gat-<dataset>` as a models-from-code pyfunc (stages/support/served_model.py) with the weights and the
+    graph as tensor files: loading it unpickles no object, and MLflow recommends it over the pytorch flavour's
+    pickle (which warns on every save; pt2 export, the other option, cannot trace the sparse CSR features)."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+
+    quiet = logging.getLogger("mlflow.pyfunc")
+    level = quiet.level
+    no_progress_bar = patch.dict(os.environ, {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"})
+    with tempfile.TemporaryDirectory() as folder, no_progress_bar:
+        (Path(folder) / "model.pt").write_bytes(state)
+        # No input schema: MLflow's scoring server would cast the JSON to it (1.9 to node 1) before the model
+        # sees it; served_model.node_ids checks the ids instead, and the MLmodel's metadata says what they are.
+        signature = ModelSignature(inputs=None, outputs=Schema([TensorSpec(output.dtype, (-1, output.shape[1]))]))
+        # "INFO Validating input example against model signature", and a progress bar per artifact copied into
+        # the model: two lines a clean run has no use for. A warning still shows.
+        quiet.setLevel(logging.WARNING)
+        try:
+            return mlflow.pyfunc.log_model(
+                name=model_name(dataset), python_model=SERVED_MODEL, code_paths=[str(Path(gat.__file__).parent)],
+                artifacts={"model": str(Path(folder) / "model.pt"), "graph": str(graph_file)},
+                model_config={"dataset": dataset}, signature=signature, input_example=example,
+                metadata={"input": f"node ids: a non-empty list of int64 from 0 to {num_nodes - 1}"},
+                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"])
+        finally:
+            quiet.setLevel(level)
 
 
 if __name__ == "__main__":

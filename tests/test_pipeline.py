@@ -138,9 +138,9 @@ def test_logged_model_loads_from_anywhere_and_gives_the_pipeline_predictions(pip
     (row,) = pipeline.runs(TRAIN_EXPERIMENT)
     lines = (pipeline.root / "data/eval/predictions.csv").read_text().splitlines()[1:]
     nodes, _actual, predicted = zip(*(map(int, line.split(",")) for line in lines))
-    snippet = ("import json, sys, mlflow, torch\n"
-               f"model = mlflow.pytorch.load_model('runs:/{row.info.run_id}/gat-cora')\n"
-               f"print(json.dumps(model(torch.tensor({list(nodes)})).argmax(-1).tolist()))\n")
+    snippet = ("import json, sys, mlflow\n"
+               f"model = mlflow.pyfunc.load_model('runs:/{row.info.run_id}/gat-cora')\n"
+               f"print(json.dumps(model.predict({list(nodes)}).argmax(-1).tolist()))\n")
     env = pipeline.env | {"MLFLOW_TRACKING_URI": pipeline.tracking_uri}
     done = subprocess.run([str(VENV_BIN / "python"), "-c", snippet], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)

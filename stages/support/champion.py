@@ -46,29 +46,41 @@ def model_digest(model_uri: str) -> str:
         return folder_digest(Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=folder)))
 
 
-def load_verified_model(uri: str):
-    """Load `models:/<name>@<alias>` or `models:/<name>/<version>` only if its files are those the pipeline
-    registered (the version's artifacts_sha256 tag); the files checked are the files loaded. Else one line."""
-    import tempfile
-
-    import mlflow.pytorch
-
+def version_of(uri: str):
+    """The registered version behind `models:/<name>@<alias>` or `models:/<name>/<version>` (MlflowException when
+    the model, alias or version does not exist)."""
     name, _, ref = uri.removeprefix("models:/").partition("@")
     client = MlflowClient()
     if ref:
-        version = client.get_model_version_by_alias(name, ref)
-    else:
-        name, _, number = name.partition("/")
-        version = client.get_model_version(name, number)
+        return client.get_model_version_by_alias(name, ref)
+    name, _, number = name.partition("/")
+    return client.get_model_version(name, number)
+
+
+def download_verified_model(uri: str, folder: Path):
+    """Download `models:/<name>@<alias>` or `models:/<name>/<version>` into `folder` and check that its files are
+    those the pipeline registered (the version's artifacts_sha256 tag); else one line, before any of its code runs.
+    Returns the version and the model's local folder: load or serve those very files."""
+    version = version_of(uri)
     expected = version.tags.get(MODEL_DIGEST_TAG)
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{version.name}/{version.version}", dst_path=str(folder)))
+    found = folder_digest(local)
+    if expected is None or found != expected:
+        fail(f"{uri} (version {version.version}) is not the model the pipeline registered: its files' SHA-256 "
+             f"is {found}, the version's {MODEL_DIGEST_TAG} tag says {expected}; it was not loaded (its code "
+             "never ran): tell the server's admin, and use another version")
+    return version, local
+
+
+def load_verified_model(uri: str):
+    """The pyfunc model (stages/support/served_model.py) at `uri`, loaded only if download_verified_model
+    verified its files; the files checked are the files loaded."""
+    import tempfile
+
+    import mlflow.pyfunc
+
     with tempfile.TemporaryDirectory() as folder:
-        local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}/{version.version}", dst_path=folder))
-        found = folder_digest(local)
-        if expected is None or found != expected:
-            fail(f"{uri} (version {version.version}) is not the model the pipeline registered: its files' SHA-256 "
-                 f"is {found}, the version's {MODEL_DIGEST_TAG} tag says {expected}; it was not loaded (its code "
-                 "never ran): tell the server's admin, and use another version")
-        return mlflow.pytorch.load_model(str(local))
+        return mlflow.pyfunc.load_model(str(download_verified_model(uri, Path(folder))[1]))
 
 
 def refuse_a_foreign_champion(client: MlflowClient, model: str, current) -> None:

@@ -60,9 +60,10 @@ class _Interrupts:
     the process exits whatever it is doing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stopping: str = _STOPPED) -> None:
         import threading
 
+        self.stopping = stopping  # what the stop line says happens next
         self.lineage = lineage()
         self.names = {pid: process_name(pid) for pid in self.lineage}
         self.main_thread = threading.get_ident()  # signal handlers only install from the main thread
@@ -86,7 +87,7 @@ class _Interrupts:
             return
         if self.signum is None:
             self.signum, self.stop_asked = signum, time.monotonic()
-            _say(f"error: {self.reason or f'interrupted by {signal.Signals(signum).name}'}: {_STOPPED}")
+            _say(f"error: {self.reason or f'interrupted by {signal.Signals(signum).name}'}: {self.stopping}")
         if _inside_uninterruptible(frame):
             return  # not here: the watchdog sends the signal again every RETRY_STOP_S, until it lands outside
         stop = self.pending = SystemExit(128 + self.signum)
@@ -170,7 +171,7 @@ def _exit_now(code: int) -> NoReturn:
         os._exit(code)
 
 
-def main(run) -> None:
+def main(run, stopping: str = _STOPPED) -> None:
     """Run a stage's `run()`: user errors become one clear line and exit code 2.
 
     SIGTERM, SIGINT (Ctrl-C) and the death of the parent process (dvc) stop the stage within a few
@@ -185,7 +186,7 @@ def main(run) -> None:
     # The process is the stage's own (`python -m stages.train`, run() defined in __main__), not a test that
     # calls main() in its own process: only then does a stop end the process at once.
     owns_process = getattr(run, "__module__", None) == "__main__"
-    interrupts = _Interrupts()
+    interrupts = _Interrupts(stopping)
     try:
         with interrupts.installed():
             try:
