@@ -1,7 +1,8 @@
 """The README's commands, run as written: its bash blocks, parsed from the README so that the tests cannot drift
 from it, and a shell that runs them one by one as a user's terminal would.
 
-- `readme_blocks(heading)`: the commands of each bash block in one section of the README.
+- `readme_blocks(heading)`: the commands of each bash block in one section of the README (`readme_section`,
+  `bash_blocks`, `commands`: its parts).
 - `ReadmeShell`: runs those commands from a folder; `cd`, `source` and `export` carry over to the next command, a
   command ending in `&` runs in the background and `stop` ends it, with every process it started, by PID. A test
   substitutes only what it must (a port, a placeholder such as `<the group's git remote>`), through `replace`.
@@ -21,18 +22,28 @@ from pipeline_support import REPO
 STAGE_S = 300.0  # how long a tiny stage may take, start to end, on a busy 2-core machine
 
 
-def readme_blocks(heading: str) -> list[list[str]]:
-    """The commands of each bash block in the README's section `heading` (up to the next `## `), comments dropped,
-    continuations joined."""
+def readme_section(heading: str) -> str:
+    """The README's section `heading` (a whole `## ` line), up to the next `## `."""
     text = (REPO / "README.md").read_text()
     section = text[text.index(f"\n{heading}\n"):]
-    section = section[:section.index("\n## ", 1)]
-    blocks = []
-    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
-        joined = re.sub(r"\\\n\s*", "", block)
-        lines = [re.split(r"\s+#\s", line)[0].strip() for line in joined.splitlines()]
-        blocks.append([line for line in lines if line and not line.startswith("#")])
-    return blocks
+    return section[:section.index("\n## ", 1)]
+
+
+def commands(block: str) -> list[str]:
+    """The commands of one bash block, comments dropped, continuations joined."""
+    joined = re.sub(r"\\\n\s*", "", block)
+    lines = [re.split(r"\s+#\s", line)[0].strip() for line in joined.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def bash_blocks(text: str) -> list[list[str]]:
+    """The commands of each bash block in `text` (a block may be indented, in a list item)."""
+    return [commands(block) for block in re.findall(r"```bash\n(.*?)```", text, re.S)]
+
+
+def readme_blocks(heading: str) -> list[list[str]]:
+    """The commands of each bash block in the README's section `heading`."""
+    return bash_blocks(readme_section(heading))
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
