@@ -108,10 +108,10 @@ def team_recipe_folder(planetoid_folder) -> Iterator[Path]:
 
 def test_two_people_follow_the_readme_recipe(team_recipe_folder: Path, planetoid_server: str, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Alice: `make team-up`, `make team-repro` (every stage's runs on the server), commit and push dvc.lock, `dvc
-    push`; Bob: clone, her settings, `make team-remote`, `dvc pull` (her outputs, byte for byte, and nothing to
-    rerun), her model loaded from the server; both: the pages of `make ui` and the browser's login (admin and the
-    password .team/env exports); Alice: `make team-down`, which stops everything."""
+    """Alice: `make team-up`, `make team-repro` (every stage's runs on the server; without .team/env it refuses),
+    commit and push dvc.lock, `dvc push`; Bob: clone, her settings, `make team-remote`, `dvc pull` (her outputs,
+    byte for byte, and nothing to rerun), her model loaded from the server; both: the pages of `make ui` and the
+    browser's login (admin and the password .team/env exports); Alice: `make team-down`, which stops everything."""
     from mlflow.tracking import MlflowClient
 
     recipe = _recipe()
@@ -123,6 +123,13 @@ def test_two_people_follow_the_readme_recipe(team_recipe_folder: Path, planetoid
     replace = {REMOTE: str(folder / "origin.git")}
     alice = ReadmeShell(folder, clean_env() | {"GAT_DATA_MIRROR": planetoid_server}, tmp_path, replace)
     bob = ReadmeShell(folder, clean_env(), tmp_path, replace)
+    # Before the recipe: `make team-repro` without the team's settings runs nothing, in one line (make adds its own).
+    refused = subprocess.run(["make", "-s", "team-repro"], cwd=alice_root, env=clean_env(), capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.splitlines()[0] == (
+        "error: MLFLOW_TRACKING_URI names no tracking server: `source .team/env` (written by `make team-up`) first"), \
+        refused.stderr
+    assert not (alice_root / "data").exists()
     said: dict[str, subprocess.CompletedProcess] = {}
     for who, block in recipe[:-1]:
         for name, shell in (("Alice", alice), ("Bob", bob)):
