@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DVC_NO_ANALYTICS := 1
 PIP_INSTALL := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: repro test test-all lint ui serve bench bench-team bench-scale compare figures constraints clean team-up team-down team-status team-remote system-deps
+.PHONY: repro test test-all lint ui serve bench bench-team bench-scale compare figures constraints clean team-up team-down team-status team-remote team-repro system-deps
 
 # The project itself is installed in editable mode (pyproject.toml): the venv's python imports gat, stages and tools
 # from any folder, with no PYTHONPATH.
@@ -78,6 +78,16 @@ serve: $(VENV)/.runtime
 ## state in .team/, client settings in .team/env, this clone's DVC remote on its bucket; a no-op when up
 team-up: $(VENV)/.runtime
 	$(RUN) $(BIN)/python -m team up
+
+## team-repro: with a team's .team/env sourced, every stage again, each logging to the team server (where `make repro`
+## has already run, the pipeline is up to date: `make repro` would run nothing, and nothing would reach the server)
+team-repro: $(VENV)/.runtime $(VENV)/.fused
+	@case "$${MLFLOW_TRACKING_URI:-}" in http://*|https://*) ;; \
+	  *) echo 'error: MLFLOW_TRACKING_URI names no tracking server: `source .team/env` (written by `make team-up`) first' >&2; \
+	     exit 2 ;; \
+	esac
+	$(RUN) $(BIN)/python -m tools.init_store
+	$(RUN) $(BIN)/dvc repro --force
 
 ## team-down: stop every process team-up started (by PID); the data stays in .team/
 team-down: $(VENV)/.runtime

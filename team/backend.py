@@ -60,7 +60,7 @@ def up(state: State, dvc_remote: bool = True) -> Settings:
     alive = running(state)
     if settings and all(alive.values()):
         claim_names(settings, repo_root())
-        say(f"team backend already up: MLflow at {settings.tracking_uri}. `source {state.env_file}`")
+        say(f"team backend already up: MLflow at {settings.tracking_uri} ({state.login}). `source {state.env_file}`")
         return settings
     if settings and any(alive.values()):
         # One server stopped (it died, or was stopped by hand): start just that one, if its ports are still
@@ -108,7 +108,8 @@ def status(state: State) -> bool:
     for name, pid in alive.items():
         say(f"{name:10} {'running, pid ' + str(pid) if pid else 'stopped'}")
     if settings:
-        say(f"MLflow at {settings.tracking_uri}, S3 at {settings.s3_endpoint}; settings in {state.env_file}")
+        say(f"MLflow at {settings.tracking_uri} ({state.login}), S3 at {settings.s3_endpoint}; settings in "
+            f"{state.env_file}")
     return all(alive.values())
 
 

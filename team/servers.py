@@ -286,5 +286,5 @@ def start_mlflow(state: State, settings: Settings) -> None:
         return response.status_code == 200
 
     wait_ready("mlflow server", process, answers, state.logs / "mlflow.log")
-    say(f"MLflow       {settings.tracking_uri}  (user {ADMIN_USER}; runs in PostgreSQL, "
+    say(f"MLflow       {settings.tracking_uri}  ({state.login}; runs in PostgreSQL, "
         f"artifacts in s3://{ARTIFACTS_BUCKET})")

@@ -116,6 +116,12 @@ class State:
         self.logs = self.root / "logs"
         self.pids = self.root / "run"
 
+    @property
+    def login(self) -> str:
+        """How to log in to the MLflow server's pages (a browser asks): the account, and where its password is (the
+        password itself goes into no output)."""
+        return f"log in as {ADMIN_USER}, password: MLFLOW_TRACKING_PASSWORD in {self.env_file}"
+
     def load(self) -> Settings | None:
         if not self.settings_file.exists():
             return None
@@ -125,4 +131,5 @@ class State:
         write_private(self.settings_file, json.dumps(asdict(settings), indent=2) + "\n")
         lines = [f"export {key}={shlex.quote(value)}" for key, value in settings.client_env().items()]
         write_private(self.env_file, "# The gat-repro team backend (`make team-up`): `source` this file, then "
-                                      "`make repro`, `dvc push`, `make ui`.\n" + "\n".join(lines) + "\n")
+                                      "`make team-repro`, `dvc push --run-cache`, `make ui`.\n"
+                                      + "\n".join(lines) + "\n")

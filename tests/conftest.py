@@ -349,7 +349,8 @@ from team_support import seaweedfs_stopped, team_backend, team_credentials, team
 # from a test's fixtures, so a new test that needs the pipeline or a server is marked without anyone remembering to.
 TIER_FIXTURES = {
     "e2e": {"pipeline", "pipeline_copy", "sqlite_stages"},  # the real `dvc repro` of the tiny pipeline, or stages
-    "team": {"team_backend", "team_pipeline", "server_stages", "seaweedfs_stopped"},  # PostgreSQL, SeaweedFS, MLflow
+    # PostgreSQL, SeaweedFS, MLflow
+    "team": {"team_backend", "team_pipeline", "server_stages", "seaweedfs_stopped", "team_recipe_folder"},
     "dask": {"dask_cluster", "doomed_cluster"},  # a Dask scheduler and workers
 }
 

@@ -65,14 +65,7 @@ class Pipeline:
         return self.run(str(VENV_BIN / "python"), *args, check=check)
 
     def set_params(self, **dotted: object) -> None:
-        params = yaml.safe_load((self.root / "params.yaml").read_text())
-        for key, value in dotted.items():
-            *parents, leaf = key.split(".")
-            section = params
-            for name in parents:
-                section = section[name]
-            section[leaf] = value
-        (self.root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        set_params(self.root, **dotted)
 
     def params(self) -> Params:
         return Params.from_dict(yaml.safe_load((self.root / "params.yaml").read_text()))
@@ -101,6 +94,18 @@ class Pipeline:
                         db.execute(f'UPDATE "{table}" SET "{column[1]}" = replace("{column[1]}", ?, ?)',
                                    (str(self.root), str(root)))
         return Pipeline(root, dict(self.env))
+
+
+def set_params(root: Path, **dotted: object) -> None:
+    """Set params.yaml's values at `root` by dotted key (`train.optim.lr=0.01`), everything else as it was."""
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    for key, value in dotted.items():
+        *parents, leaf = key.split(".")
+        section = params
+        for name in parents:
+            section = section[name]
+        section[leaf] = value
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
 def ran(result: subprocess.CompletedProcess) -> list[str]:

@@ -35,12 +35,12 @@ from typing import Any, Callable, Iterator
 import distributed
 import psutil
 import pytest
-from pipeline_support import REPO, TINY, VENV_BIN, Pipeline, clean_env
+from pipeline_support import TINY, VENV_BIN, Pipeline, clean_env
+from readme_support import STAGE_S, ReadmeShell, process_tree, readme_blocks, stop_all
 
 from stages.support.store import COMPARE_EXPERIMENT, REPRODUCE_EXPERIMENT
 
 START_S = 120.0  # how long a scheduler, a worker or a stage may take to start on a busy 2-core machine
-STAGE_S = 300.0  # how long a tiny stage may take, start to end
 # Long enough seeds that a worker can be killed while it trains one: patience = max_epochs, so each seed
 # trains exactly max_epochs epochs (seconds of Cora).
 LONG = {"reproduce.seeds": 4, "reproduce.seeds_per_batch": 1, "reproduce.protocol.cora.optim.max_epochs": 600,
@@ -56,34 +56,6 @@ def _poll(condition: Callable[[], object], timeout: float, interval: float = 0.1
             return False
         time.sleep(interval)
     return True
-
-
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        process = psutil.Process(pid)
-        return [process, *process.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def _stop(processes: list[psutil.Process], timeout: float = 20.0) -> None:
-    """SIGTERM, then SIGKILL what is left after `timeout`; returns once all are gone."""
-    for process in processes:
-        with _quiet():
-            process.terminate()
-    _gone, alive = psutil.wait_procs(processes, timeout=timeout)
-    for process in alive:
-        with _quiet():
-            process.kill()
-    psutil.wait_procs(alive, timeout=timeout)
-
-
-class _quiet:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, error: Any, traceback: Any) -> bool:
-        return kind is not None and issubclass(kind, psutil.Error)
 
 
 @dataclass
@@ -147,8 +119,8 @@ def _cluster(folder: Path, workers: tuple[str, ...], python: Path = VENV_BIN / "
         cluster.wait_for_workers(len(workers))
         yield cluster
     finally:
-        everything = [process for popen in started for process in _tree(popen.pid)]
-        _stop(everything)
+        everything = [process for popen in started for process in process_tree(popen.pid)]
+        stop_all(everything)
         assert not [p for p in everything if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
@@ -302,7 +274,7 @@ def test_a_local_cluster_writes_the_same_seeds_csv(copy: Pipeline, tmp_path: Pat
     def left_behind() -> list[psutil.Process]:  # the cluster's processes run where the stage ran
         found = []
         for process in psutil.process_iter():
-            with _quiet():
+            with contextlib.suppress(psutil.Error):
                 if process.cwd() == str(copy.root) and process.pid != os.getpid():
                     found.append(process)
         return found
@@ -338,7 +310,7 @@ def test_a_local_cluster_starts_in_the_background_and_never_outlives_the_block(m
     def ours() -> list[psutil.Process]:  # multiprocessing's resource tracker lives as long as this process: not ours
         found = []
         for process in me.children(recursive=True):
-            with _quiet():
+            with contextlib.suppress(psutil.Error):
                 if process not in others and process.status() != psutil.STATUS_ZOMBIE and \
                         "resource_tracker" not in " ".join(process.cmdline()):
                     found.append(process)
@@ -460,7 +432,7 @@ def _killed_mid_run(copy: Pipeline, cluster: DaskCluster, tmp_path: Path, kill: 
             assert _poll(lambda: stage.poll() is not None or all(cluster.executing(client).values()), START_S, 0.2), \
                 err.read_text()
         assert stage.poll() is None, err.read_text()
-        processes = _tree(stage.pid)
+        processes = process_tree(stage.pid)
         kill()
         assert stage.wait(timeout=timeout) == 2, err.read_text()
     finally:
@@ -493,8 +465,8 @@ def test_a_run_whose_workers_all_died_is_a_one_line_error(copy: Pipeline, doomed
 
     def kill_workers() -> None:
         for popen in doomed_cluster.processes[1:]:
-            for process in _tree(popen.pid):
-                with _quiet():
+            for process in process_tree(popen.pid):
+                with contextlib.suppress(psutil.Error):
                     process.kill()
 
     line = _killed_mid_run(copy, doomed_cluster, tmp_path, kill_workers, timeout=WORKERS_S + 120)
@@ -518,7 +490,7 @@ def test_ctrl_c_stops_a_local_cluster_and_its_workers(copy: Pipeline, tmp_path: 
     processes: list[psutil.Process] = []
     try:
         def training() -> bool:  # the worker process is busy: its CPU time grows
-            tree = _tree(stage.pid)
+            tree = process_tree(stage.pid)
             processes.extend(p for p in tree if p not in processes)
             return "LocalCluster" in err.read_text() and any(
                 p.cpu_times().user > 5 for p in tree[1:] if "spawn_main" in " ".join(p.cmdline()))
@@ -529,7 +501,7 @@ def test_ctrl_c_stops_a_local_cluster_and_its_workers(copy: Pipeline, tmp_path: 
         assert _poll(lambda: not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
                      10), "a process of the stage's cluster outlived it"
     finally:
-        _stop([p for p in [*processes, *_tree(stage.pid)] if p.is_running()], timeout=1)
+        stop_all([p for p in [*processes, *process_tree(stage.pid)] if p.is_running()], timeout=1)
     lines = err.read_text().strip().splitlines()
     assert lines[-1] == ("error: interrupted by SIGINT: stopping; the MLflow run is marked FAILED and no output is "
                          "written."), err.read_text()
@@ -542,16 +514,7 @@ def test_ctrl_c_stops_a_local_cluster_and_its_workers(copy: Pipeline, tmp_path: 
 # ------------------------------------------------------------------------------------- the README's recipes
 
 def _readme_dask_blocks() -> list[list[str]]:
-    """The commands of each bash block in the README's Dask sections, comments dropped, continuations joined."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Scaling out: seeds and sweeps on a Dask cluster"):]
-    section = section[:section.index("\n## ", 1)]
-    blocks = []
-    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
-        joined = re.sub(r"\\\n\s*", "", block)
-        lines = [re.split(r"\s+#\s", line)[0].strip() for line in joined.splitlines()]
-        blocks.append([line for line in lines if line and not line.startswith("#")])
-    return blocks
+    return readme_blocks("## Scaling out: seeds and sweeps on a Dask cluster")
 
 
 def _free_port() -> int:
@@ -560,74 +523,38 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-class ReadmeShell:
-    """Runs README commands as written, from `root`, as one shell session would: `source` and `export` carry over
-    to the next command, a command ending in `&` runs in the background (stopped by `stop`, by PID), the others in
-    the foreground. Only the README's ports change, to free ones, so that nothing clashes with another test."""
+class DaskShell(ReadmeShell):
+    """A ReadmeShell where the README's scheduler and dashboard ports are free ones, so that nothing clashes with
+    another test."""
 
     def __init__(self, root: Path, env: dict[str, str], folder: Path) -> None:
-        self.root, self.env, self.folder = root, dict(env), folder
-        self.ports = {"8786": str(_free_port()), "8787": str(_free_port())}
-        self.prefix = ""
-        self.background: list[subprocess.Popen] = []
+        super().__init__(root, env, folder, replace={"8786": str(_free_port()), "8787": str(_free_port())})
 
     def line(self, command: str) -> str:
         if command.startswith("dask scheduler") or " dask worker " in f" {command}":
-            assert all(port in command for port in self.ports if "scheduler" in command or port == "8786"), \
+            assert all(port in command for port in self.replace if "scheduler" in command or port == "8786"), \
                 f"a README port that the test cannot move: {command}"
-        for readme, port in self.ports.items():
-            command = command.replace(readme, port)
-        return command
+        return super().line(command)
 
     @property
     def address(self) -> str:
-        return f"tcp://127.0.0.1:{self.ports['8786']}"
-
-    def run(self, command: str, *, env: dict[str, str] | None = None, timeout: float = STAGE_S
-            ) -> subprocess.CompletedProcess | None:
-        command = self.line(command)
-        if command.startswith("source "):
-            self.prefix += command + " && "
-            return None
-        if command.startswith("export "):
-            name, value = command.removeprefix("export ").split("=", 1)
-            self.env[name] = value
-            return None
-        if command.endswith("&"):
-            log = (self.folder / f"background-{len(self.background)}.log").open("w")
-            self.background.append(subprocess.Popen(["bash", "-c", self.prefix + command.removesuffix("&")],
-                                                    cwd=self.root, env=self.env | (env or {}),
-                                                    stdout=subprocess.DEVNULL, stderr=log))
-            return None
-        done = subprocess.run(["bash", "-c", self.prefix + command], cwd=self.root, env=self.env | (env or {}),
-                              capture_output=True, text=True, timeout=timeout)
-        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
-        return done
+        return f"tcp://127.0.0.1:{self.replace['8786']}"
 
     def wait_for_workers(self, count: int) -> None:
         with distributed.Client(self.address, timeout=START_S, set_as_default=False) as client:
             client.wait_for_workers(count, timeout=START_S)
 
-    def stop(self, popens: list[subprocess.Popen] | None = None) -> None:
-        chosen = self.background if popens is None else popens
-        everything = [process for popen in chosen for process in _tree(popen.pid)]
-        _stop(everything)
-        for popen in chosen:
-            popen.wait(timeout=10)
-        self.background = [popen for popen in self.background if popen not in chosen]
-        assert not [p for p in everything if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
 
 @pytest.fixture
-def readme_shell(tmp_path: Path) -> Iterator[Callable[[Pipeline], ReadmeShell]]:
-    """A ReadmeShell in a pipeline copy whose `.venv` is the test's own (as `make repro` would have made it)."""
-    shells: list[ReadmeShell] = []
+def readme_shell(tmp_path: Path) -> Iterator[Callable[[Pipeline], DaskShell]]:
+    """A DaskShell in a pipeline copy whose `.venv` is the test's own (as `make repro` would have made it)."""
+    shells: list[DaskShell] = []
 
-    def make(pipeline: Pipeline) -> ReadmeShell:
+    def make(pipeline: Pipeline) -> DaskShell:
         (pipeline.root / ".venv").symlink_to(VENV_BIN.parent)
         with (pipeline.root / ".git/info/exclude").open("a") as exclude:
             exclude.write(".venv\n")  # .gitignore's `.venv/` matches a folder, not this link
-        shells.append(ReadmeShell(pipeline.root, pipeline.env, tmp_path))
+        shells.append(DaskShell(pipeline.root, pipeline.env, tmp_path))
         return shells[-1]
 
     try:
@@ -637,7 +564,7 @@ def readme_shell(tmp_path: Path) -> Iterator[Callable[[Pipeline], ReadmeShell]]:
             shell.stop()
 
 
-def test_the_readme_sweep_runs_as_written(pipeline_copy: Pipeline, readme_shell: Callable[[Pipeline], ReadmeShell],
+def test_the_readme_sweep_runs_as_written(pipeline_copy: Pipeline, readme_shell: Callable[[Pipeline], DaskShell],
                                           tmp_path: Path) -> None:
     """Every command of the README's sweep, in order, as written (on free ports): the scheduler as installed,
     without PYTHONPATH, two workers, a queued 2 × 2 grid run by `dvc queue start -j 2` with every experiment's
@@ -727,7 +654,7 @@ def _without_the_project(folder: Path) -> Path:
 
 
 def test_workers_that_cannot_run_the_task_are_one_line_errors(copy: Pipeline, tmp_path: Path,
-                                                              readme_shell: Callable[[Pipeline], ReadmeShell]
+                                                              readme_shell: Callable[[Pipeline], DaskShell]
                                                               ) -> None:
     """Workers of an environment where the project is not installed (they can't import the task), then, on the
     README's scheduler, a worker whose fused kernel is off (it would train with the torch kernel). Each is a

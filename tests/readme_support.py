@@ -1,0 +1,114 @@
+"""The README's commands, run as written: its bash blocks, parsed from the README so that the tests cannot drift
+from it, and a shell that runs them one by one as a user's terminal would.
+
+- `readme_blocks(heading)`: the commands of each bash block in one section of the README (`readme_section`,
+  `bash_blocks`, `commands`: its parts).
+- `ReadmeShell`: runs those commands from a folder; `cd`, `source` and `export` carry over to the next command, a
+  command ending in `&` runs in the background and `stop` ends it, with every process it started, by PID. A test
+  substitutes only what it must (a port, a placeholder such as `<the group's git remote>`), through `replace`.
+- `process_tree`, `stop_all`: a process and its descendants; SIGTERM, then SIGKILL, for a list of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+from pathlib import Path
+
+import psutil
+from pipeline_support import REPO
+
+STAGE_S = 300.0  # how long a tiny stage may take, start to end, on a busy 2-core machine
+
+
+def readme_section(heading: str) -> str:
+    """The README's section `heading` (a whole `## ` line), up to the next `## `."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index(f"\n{heading}\n"):]
+    return section[:section.index("\n## ", 1)]
+
+
+def commands(block: str) -> list[str]:
+    """The commands of one bash block, comments dropped, continuations joined."""
+    joined = re.sub(r"\\\n\s*", "", block)
+    lines = [re.split(r"\s+#\s", line)[0].strip() for line in joined.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def bash_blocks(text: str) -> list[list[str]]:
+    """The commands of each bash block in `text` (a block may be indented, in a list item)."""
+    return [commands(block) for block in re.findall(r"```bash\n(.*?)```", text, re.S)]
+
+
+def readme_blocks(heading: str) -> list[list[str]]:
+    """The commands of each bash block in the README's section `heading`."""
+    return bash_blocks(readme_section(heading))
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    try:
+        process = psutil.Process(pid)
+        return [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def stop_all(processes: list[psutil.Process], timeout: float = 20.0) -> None:
+    """SIGTERM, then SIGKILL what is left after `timeout`; returns once all are gone."""
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _gone, alive = psutil.wait_procs(processes, timeout=timeout)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=timeout)
+
+
+class ReadmeShell:
+    """Runs README commands as written, from `root`, as one shell session would: after a command, its `cd` and
+    `source` parts (`git clone ... && cd x`, `source .team/env`) apply to every later one, and `export` sets the
+    environment; a command ending in `&` runs in the background (stopped by `stop`, by PID), the others in the
+    foreground, and must succeed. Only the texts in `replace` change (ports, placeholders)."""
+
+    def __init__(self, root: Path, env: dict[str, str], folder: Path, replace: dict[str, str] | None = None) -> None:
+        self.root, self.env, self.folder = root, dict(env), folder
+        self.replace = dict(replace or {})
+        self.prefix = ""
+        self.background: list[subprocess.Popen] = []
+
+    def line(self, command: str) -> str:
+        for readme, ours in self.replace.items():
+            command = command.replace(readme, ours)
+        return command
+
+    def run(self, command: str, *, env: dict[str, str] | None = None, timeout: float = STAGE_S
+            ) -> subprocess.CompletedProcess | None:
+        command = self.line(command)
+        if command.startswith("export "):
+            name, value = command.removeprefix("export ").split("=", 1)
+            self.env[name] = value
+            return None
+        if command.endswith("&"):
+            log = (self.folder / f"background-{len(self.background)}.log").open("w")
+            self.background.append(subprocess.Popen(["bash", "-c", self.prefix + command.removesuffix("&")],
+                                                    cwd=self.root, env=self.env | (env or {}),
+                                                    stdout=subprocess.DEVNULL, stderr=log))
+            return None
+        done = subprocess.run(["bash", "-c", self.prefix + command], cwd=self.root, env=self.env | (env or {}),
+                              capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+        for part in command.split(" && "):
+            if part.startswith(("cd ", "source ")):
+                self.prefix += part + " && "
+        return done
+
+    def stop(self, popens: list[subprocess.Popen] | None = None) -> None:
+        chosen = self.background if popens is None else popens
+        everything = [process for popen in chosen for process in process_tree(popen.pid)]
+        stop_all(everything)
+        for popen in chosen:
+            popen.wait(timeout=10)
+        self.background = [popen for popen in self.background if popen not in chosen]
+        assert not [p for p in everything if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
