@@ -16,6 +16,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 from markdown_it import MarkdownIt
+from markdown_support import markdown_problems
 
 from stages.support.champion import model_description
 from stages.support.store import (DESCRIPTIONS, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT, VIEWS, compare_url,
@@ -26,19 +27,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bounds for the loops below (never asserted as durations): a busy 2-core machine starts MLflow in about a minute.
 START_TIMEOUT_S = 240
 STOP_TIMEOUT_S = 60
-
-
-def markdown_problems(text: str) -> list[str]:
-    """What a Markdown renderer would not show as written: raw HTML (MLflow's sanitizer drops a `<dataset>`)
-    and emphasis (`_` or `*` pairs turning text italic). CommonMark, HTML on, as MLflow's renderer."""
-    problems = []
-    for block in MarkdownIt("commonmark").parse(text):
-        if block.type == "html_block":
-            problems.append(block.content)
-        for token in block.children or []:
-            if token.type == "html_inline" or token.type in ("em_open", "strong_open"):
-                problems.append(f"{token.type}: {token.content or token.markup}")
-    return problems
 
 
 def test_the_markdown_check_finds_a_swallowed_tag_and_stray_emphasis() -> None:
@@ -69,6 +57,10 @@ def test_page_addresses_keep_the_model_training_view() -> None:
     path, _, query = page.fragment.partition("?")
     assert (page.netloc, path) == ("127.0.0.1:5001", "/experiments/7/runs")
     assert parse_qs(query) == {"workflowType": ["machine_learning"], "viewStateShareKey": ["main"]}
+
+    charts = urlsplit(ui_url("http://127.0.0.1:5001", "7", charts=True))
+    assert parse_qs(charts.fragment.partition("?")[2]) == {
+        "workflowType": ["machine_learning"], "viewStateShareKey": ["main"], "compareRunsMode": ["CHART"]}
 
     compare = urlsplit(compare_url("http://127.0.0.1:5001", ["r1", "r2"], ["2"]))
     path, _, query = compare.fragment.partition("?")
@@ -205,7 +197,7 @@ def test_the_ui_prints_its_pages_once_they_answer_and_sigterm_stops_it_all(tiny_
                     lines += [line.decode() for line in done]
         # Asked at once: every printed page answers, and MLflow's API behind it.
         pages = [line.split(": ", 1)[1] for line in lines if line.startswith("  ")]
-        assert len(pages) == 4, lines
+        assert len(pages) == 5, lines  # four experiments and the training charts: no reproduction to compare
         for page in pages:
             assert page.startswith(f"http://127.0.0.1:{port}/#/") and "workflowType=machine_learning" in page
             assert requests.get(page.partition("#")[0], timeout=30).status_code == 200

@@ -158,9 +158,12 @@ def reproduced_configurations(client: MlflowClient, experiment_id: str) -> list[
 
 
 def pages(base: str) -> list[str]:
-    """One line per page to open: each experiment's runs table, then the comparison of the reproductions."""
+    """One line per page to open: each experiment's runs table, then the comparisons: the training runs' charts,
+    and the reproduced configurations side by side (MLflow's Compare page, which the runs table's Compare button
+    opens without `workflowType`, so in the GenAI view)."""
     ids = {name: connect(name) for name in EXPERIMENTS}
     lines = [f"  {name}: {ui_url(base, experiment_id)}" for name, experiment_id in ids.items()]
+    lines.append(f"  compare the training runs (params against test_acc): {ui_url(base, ids[TRAIN_EXPERIMENT], True)}")
     reproduced = reproduced_configurations(MlflowClient(), ids[REPRODUCE_EXPERIMENT])
     if reproduced:
         lines.append(f"  compare the {len(reproduced)} reproduced configurations: "

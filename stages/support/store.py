@@ -59,8 +59,9 @@ TRAIN_PARAMS = ("train.dataset", "train.seed", "train.optim.lr", "train.optim.we
                 "train.model.dropout")
 # The Chart view's sections, and its first chart: the params against test_acc (MLflow's Compare page instead opens
 # its parallel-coordinates plot on the first metric a run logged, epoch_train_loss for a training run). MLflow
-# adds a chart per metric to the sections by itself.
-_SECTIONS = [{"uuid": f"gat-{name.split()[0].lower()}", "name": name, "display": True, "isReordered": False,
+# adds a chart per metric to the sections by itself: after this one in a section marked reordered, else sorted
+# by name around it.
+_SECTIONS = [{"uuid": f"gat-{name.split()[0].lower()}", "name": name, "display": True, "isReordered": True,
               "deleted": False, "isGenerated": True} for name in ("Model metrics", "System metrics")]
 _PARAMS_TO_TEST_ACC = {"uuid": "gat-params-to-test-acc", "type": "PARALLEL", "metricSectionId": _SECTIONS[0]["uuid"],
                        "isGenerated": False, "deleted": False, "runsCountToCompare": 100, "showAllRuns": True,
@@ -400,12 +401,13 @@ def compare_url(base: str, run_ids: list[str], experiment_ids: list[str]) -> str
     return f"{base.rstrip('/')}/#/compare-runs?runs={runs}&experiments={experiments}&workflowType=machine_learning"
 
 
-def ui_url(base: str, experiment_id: str) -> str:
-    """The UI page of an experiment's runs, in the "Model training" view, with the important columns shown.
+def ui_url(base: str, experiment_id: str, charts: bool = False) -> str:
+    """The UI page of an experiment's runs, in the "Model training" view, with the important columns shown; with
+    `charts`, its Chart view (VIEWS' compareRunCharts first) instead of the table.
 
     MLflow 3.17 picks GenAI or Model training for the whole UI from the `workflowType` URL parameter (else
     the browser's last choice, GenAI at first); the experiment's `mlflow.experimentKind` tag marks its kind.
     """
+    mode = "&compareRunsMode=CHART" if charts else ""
     return (f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs"
-            f"?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}")
-
+            f"?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}{mode}")
