@@ -29,8 +29,8 @@ from mlflow.tracking import MlflowClient
 from stages.support.interrupts import main
 from stages.support.params import ArgumentParser, fail
 from stages.support.redaction import redact_urls
-from stages.support.store import (COMPARE_EXPERIMENT, DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT,
-                                  artifact_root, compare_url, connect, is_server, shown_uri, tracking_uri, ui_url)
+from stages.support.store import (EXPERIMENTS, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT, artifact_root, compare_url,
+                                  connect, is_server, shown_uri, tracking_uri, ui_url)
 
 HOST = "127.0.0.1"  # the UI is for this machine only: never another interface
 DEFAULT_PORT = 5000
@@ -45,7 +45,6 @@ STOP_TIMEOUT_S = 10.0
 # StarletteDeprecationWarning, is a UserWarning; -W/PYTHONWARNINGS cannot name it, being read before
 # site-packages is importable ("Invalid -W option ignored").
 SERVER_WARNING_FILTER = "ignore:starlette.middleware.wsgi is deprecated:UserWarning"
-EXPERIMENTS = (TRAIN_EXPERIMENT, REPRODUCE_EXPERIMENT, DATA_EXPERIMENT, COMPARE_EXPERIMENT)
 # The most reproduced configurations one comparison address lists (the compare page draws each run).
 COMPARE_MAX_RUNS = 20
 

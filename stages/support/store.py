@@ -34,6 +34,7 @@ TRAIN_EXPERIMENT = "gat-repro"
 DATA_EXPERIMENT = "gat-repro-data"
 REPRODUCE_EXPERIMENT = "gat-repro-reproduce"
 COMPARE_EXPERIMENT = "gat-repro-compare"
+EXPERIMENTS = (TRAIN_EXPERIMENT, REPRODUCE_EXPERIMENT, DATA_EXPERIMENT, COMPARE_EXPERIMENT)
 
 # What each experiment holds: its description in the UI (the `mlflow.note.content` tag).
 DESCRIPTIONS = {
