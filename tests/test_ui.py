@@ -140,7 +140,21 @@ def _descendants(pid: int) -> set[int]:
 
 
 def _alive(pids: set[int]) -> set[int]:
-    return {pid for pid in pids if process_start(pid) is not None}
+    """Those of `pids` still running, and any other process in their process groups (the server's workers start
+    after it, in its group)."""
+    groups = {_stat(pid)[2] for pid in pids if _stat(pid)}
+    members = {int(entry.name) for entry in Path("/proc").iterdir()
+               if entry.name.isdigit() and (stat := _stat(int(entry.name))) and stat[2] in groups}
+    return {pid for pid in pids | members if process_start(pid) is not None}
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (state, ppid, pgrp, ...), or [] when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return stat[stat.rindex(")") + 2:].split()
 
 
 def _kill(pids: set[int]) -> None:
@@ -149,6 +163,24 @@ def _kill(pids: set[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _read_until(ui: subprocess.Popen, prefix: str) -> list[str]:
+    """The lines `ui` prints, up to the first that starts with `prefix` (or its end, or START_TIMEOUT_S)."""
+    assert ui.stdout is not None
+    lines: list[str] = []
+    received = b""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    with selectors.DefaultSelector() as selector:  # the pipe's bytes, unbuffered: select sees each line
+        selector.register(ui.stdout.fileno(), selectors.EVENT_READ)
+        while not (lines and lines[-1].startswith(prefix)) and time.monotonic() < deadline:
+            if selector.select(timeout=1):
+                chunk = os.read(ui.stdout.fileno(), 65536)
+                if not chunk:
+                    break
+                *done, received = (received + chunk).split(b"\n")
+                lines += [line.decode() for line in done]
+    return lines
 
 
 def _ui(port: int, store: str) -> subprocess.Popen:
@@ -183,18 +215,7 @@ def test_the_ui_prints_its_pages_once_they_answer_and_sigterm_stops_it_all(tiny_
     below: set[int] = set()
     try:
         assert ui.stdout is not None
-        lines: list[str] = []
-        received = b""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        with selectors.DefaultSelector() as selector:  # the pipe's bytes, unbuffered: select sees each line
-            selector.register(ui.stdout.fileno(), selectors.EVENT_READ)
-            while not (lines and lines[-1].startswith("Ctrl-C stops")) and time.monotonic() < deadline:
-                if selector.select(timeout=1):
-                    chunk = os.read(ui.stdout.fileno(), 65536)
-                    if not chunk:
-                        break
-                    *done, received = (received + chunk).split(b"\n")
-                    lines += [line.decode() for line in done]
+        lines = _read_until(ui, "Ctrl-C stops")
         # Asked at once: every printed page answers, and MLflow's API behind it.
         pages = [line.split(": ", 1)[1] for line in lines if line.startswith("  ")]
         assert len(pages) == 5, lines  # four experiments and the training charts: no reproduction to compare
@@ -212,7 +233,31 @@ def test_the_ui_prints_its_pages_once_they_answer_and_sigterm_stops_it_all(tiny_
         while _alive(below) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _alive(below)
-        assert ui.stderr is not None and ui.stderr.read().splitlines() == ["stopping the MLflow UI (SIGTERM)"]
+        assert ui.stderr is not None and ui.stderr.read().splitlines() == ["stopped by SIGTERM"]
+    finally:
+        ui.kill()
+        ui.wait()
+        _kill(below | _descendants(ui.pid))
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_ui_starts_stops_it_all(tiny_store: str) -> None:
+    ui = _ui(_free_port(), tiny_store)
+    below: set[int] = set()
+    try:
+        assert _read_until(ui, "Starting the MLflow UI")[-1].startswith("Starting the MLflow UI")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not below and time.monotonic() < deadline:  # the server process, started just after that line
+            below = _descendants(ui.pid)
+            time.sleep(0.05)
+        assert below
+        ui.send_signal(signal.SIGINT)
+        assert ui.wait(STOP_TIMEOUT_S) == 128 + signal.SIGINT
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while _alive(below) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(below)
+        assert ui.stderr is not None and ui.stderr.read().splitlines() == ["stopped by SIGINT"]
     finally:
         ui.kill()
         ui.wait()

@@ -126,20 +126,28 @@ class _Stop(Exception):
         self.signum = signum
 
 
-@contextlib.contextmanager
-def stopped_by_signals() -> Iterator[None]:
+class _Signals:
     """Ctrl-C, SIGTERM and SIGHUP (a closed terminal, or stages.support.interrupts' watchdog when the parent is
-    gone) end the UI: the usual way to quit it, so not an error, and there is no run to mark FAILED."""
-    def handle(signum: int, frame: object) -> None:
-        raise _Stop(signum)
+    gone) end the UI: the usual way to quit it, so not an error, and there is no run to mark FAILED. Once the
+    server is being stopped, more of them are ignored: a stop cut short would leave its workers running."""
 
-    watched = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {signum: signal.signal(signum, handle) for signum in watched}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    def __init__(self) -> None:
+        self.stopping = False
+
+    def handle(self, signum: int, frame: object) -> None:
+        if not self.stopping:
+            self.stopping = True
+            raise _Stop(signum)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["_Signals"]:
+        previous = {signum: signal.signal(signum, self.handle)
+                    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            yield self
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 def reproduced_configurations(client: MlflowClient, experiment_id: str) -> list[str]:
@@ -170,33 +178,30 @@ def pages(base: str) -> list[str]:
     return lines
 
 
-def serve(port: int) -> int:
+def serve(port: int, signals: _Signals) -> None:
     """Start the UI on the local store, print its pages once it answers, and run until stopped."""
     refuse_taken_port(port)
     lines = pages(base := f"http://{HOST}:{port}")  # also makes the store, and ends runs left RUNNING
     artifacts = artifact_root()
     log = artifacts.parent / ".mlflow-ui.log"
     process: subprocess.Popen | None = None
-    with stopped_by_signals():
-        try:
-            print(f"Starting the MLflow UI on {base} (store {shown_uri()}; its log: {log}) ...", flush=True)
-            with log.open("w") as out:
-                # Its own process group: the terminal's Ctrl-C reaches this process only, which stops the server
-                # and its workers together (stop).
-                process = subprocess.Popen(server_command(port, tracking_uri(), artifacts), env=server_env(),
-                                           stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
-            wait_until_answering(process, base, log)
-            print("Open these pages (the \"Model training\" view, with the important columns shown):", *lines,
-                  "Ctrl-C stops the UI.", sep="\n", flush=True)
-            code = process.wait()
-            fail(f"mlflow ui stopped by itself (code {code}): {last_line(log)} (its log: {log})")
-        except _Stop as stopped:
-            print(f"stopping the MLflow UI ({stopped})", file=sys.stderr, flush=True)
-            return 128 + stopped.signum
-        finally:
-            if process is not None:
-                stop(process)
+    try:
+        print(f"Starting the MLflow UI on {base} (store {shown_uri()}; its log: {log}) ...", flush=True)
+        with log.open("w") as out:
+            # Its own process group: the terminal's Ctrl-C reaches this process only, which stops the server and
+            # its workers together (stop).
+            process = subprocess.Popen(server_command(port, tracking_uri(), artifacts), env=server_env(),
+                                       stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        wait_until_answering(process, base, log)
+        print("Open these pages (the \"Model training\" view, with the important columns shown):", *lines,
+              "Ctrl-C stops the UI.", sep="\n", flush=True)
+        code = process.wait()
+        fail(f"mlflow ui stopped by itself (code {code}): {last_line(log)} (its log: {log})")
+    finally:
+        signals.stopping = True
+        if process is not None:
+            stop(process)
 
 
 def run() -> None:
@@ -204,13 +209,18 @@ def run() -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"the UI's port on {HOST} (default 5000)")
     args = parser.parse_args()
     if not 1 <= args.port <= 65535:
-        fail(f"--port {args.port} is not a TCP port: use one from 1024 to 65535 (`make ui PORT=5001`)")
+        fail(f"--port {args.port} is not a TCP port: use one from 1 to 65535 (`make ui PORT=5001`)")
     uri = tracking_uri()
-    if is_server(uri):  # a team server has its own UI: only its pages
-        print("Open these pages on the team's MLflow server (the \"Model training\" view, with the important "
-              "columns shown):", *pages(redact_urls(uri)), sep="\n")
-        return
-    sys.exit(serve(args.port))
+    with _Signals().installed() as signals:
+        try:
+            if is_server(uri):  # a team server has its own UI: only its pages
+                print("Open these pages on the team's MLflow server (the \"Model training\" view, with the "
+                      "important columns shown):", *pages(redact_urls(uri)), sep="\n")
+            else:
+                serve(args.port, signals)
+        except _Stop as stopped:
+            print(f"stopped by {stopped}", file=sys.stderr, flush=True)
+            sys.exit(128 + stopped.signum)
 
 
 if __name__ == "__main__":
