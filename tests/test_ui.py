@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
@@ -82,10 +83,15 @@ def test_the_training_chart_view_opens_on_the_params_against_test_acc() -> None:
 
 
 @pytest.fixture
-def tiny_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def tiny_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    import mlflow
+
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return uri
+    try:
+        yield uri
+    finally:
+        mlflow.set_tracking_uri(None)  # store.connect set it for this process: no other test may log here
 
 
 def test_the_reproduce_view_lists_the_parents_and_compare_lists_the_newest_of_each(tiny_store: str) -> None:
