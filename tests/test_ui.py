@@ -241,13 +241,16 @@ def test_the_ui_prints_its_pages_once_they_answer_and_sigterm_stops_it_all(tiny_
         assert not _alive(below)
         assert ui.stderr is not None and ui.stderr.read().splitlines() == ["stopped by SIGTERM"]
     finally:
+        _kill(below | _descendants(ui.pid))  # first: once the UI process is gone, its server is no descendant
         ui.kill()
         ui.wait()
-        _kill(below | _descendants(ui.pid))
 
 
 @pytest.mark.slow
-def test_ctrl_c_while_the_ui_starts_stops_it_all(tiny_store: str) -> None:
+@pytest.mark.parametrize("signum, code, said", [(signal.SIGINT, 128 + signal.SIGINT, ["stopped by SIGINT"]),
+                                                # the kernel then ends the server (PR_SET_PDEATHSIG)
+                                                (signal.SIGKILL, -signal.SIGKILL, [])])
+def test_a_stop_while_the_ui_starts_ends_it_all(tiny_store: str, signum: int, code: int, said: list[str]) -> None:
     ui = _ui(_free_port(), tiny_store)
     below: set[int] = set()
     try:
@@ -257,14 +260,14 @@ def test_ctrl_c_while_the_ui_starts_stops_it_all(tiny_store: str) -> None:
             below = _descendants(ui.pid)
             time.sleep(0.05)
         assert below
-        ui.send_signal(signal.SIGINT)
-        assert ui.wait(STOP_TIMEOUT_S) == 128 + signal.SIGINT
+        ui.send_signal(signum)
+        assert ui.wait(STOP_TIMEOUT_S) == code
         deadline = time.monotonic() + STOP_TIMEOUT_S
         while _alive(below) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _alive(below)
-        assert ui.stderr is not None and ui.stderr.read().splitlines() == ["stopped by SIGINT"]
+        assert ui.stderr is not None and ui.stderr.read().splitlines() == said
     finally:
+        _kill(below | _descendants(ui.pid))  # first: once the UI process is gone, its server is no descendant
         ui.kill()
         ui.wait()
-        _kill(below | _descendants(ui.pid))

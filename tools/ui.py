@@ -69,12 +69,28 @@ def refuse_taken_port(port: int) -> None:
              f"`make ui PORT={port + 1}`")
 
 
+# Runs `mlflow ui` (argv[2:]) once the kernel is asked to SIGTERM it when this process dies, even by SIGKILL
+# (PR_SET_PDEATHSIG, as stages.support.local_pool's workers; it survives the exec), which `mlflow ui` forwards to
+# its server. The server has its own process group (Ctrl-C is this process's to handle), so nothing else would
+# end it. No prctl (not Linux): only `stop` ends it.
+_DIE_WITH_PARENT = """import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
 def server_command(port: int, store_uri: str, artifacts: Path) -> list[str]:
-    """`mlflow ui` on HOST:port, with one worker: a UI for one person needs no more, and starts sooner."""
+    """`mlflow ui` on HOST:port, with one worker (a UI for one person needs no more, and starts sooner), ended
+    with this process."""
     mlflow_cli = Path(sys.executable).parent / "mlflow"
-    return [str(mlflow_cli), "ui", "--host", HOST, "--port", str(port), "--workers", "1",
-            "--backend-store-uri", store_uri, "--registry-store-uri", store_uri,
-            "--artifacts-destination", str(artifacts)]
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), str(mlflow_cli), "ui", "--host", HOST,
+            "--port", str(port), "--workers", "1", "--backend-store-uri", store_uri, "--registry-store-uri",
+            store_uri, "--artifacts-destination", str(artifacts)]
 
 
 def server_env() -> dict[str, str]:
