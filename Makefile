@@ -56,17 +56,12 @@ lint: $(VENV)/.dev
 	$(BIN)/ruff check gat stages tools benchmarks team
 	$(BIN)/mypy gat stages tools benchmarks team
 
-## ui: the MLflow UI on http://127.0.0.1:5000 against the project's store; with a team server's settings
-## sourced (MLFLOW_TRACKING_URI=http://...), the addresses of that server's pages instead
+## ui: the MLflow UI on http://127.0.0.1:$(PORT) (PORT=5000 by default) against the project's store; it prints the
+## pages to open once the UI answers, and Ctrl-C stops it (tools/ui.py). With a team server's settings sourced
+## (MLFLOW_TRACKING_URI=http://...), the addresses of that server's pages instead
+PORT ?= 5000
 ui: $(VENV)/.runtime
-	@echo "Open these pages (the \"Model training\" view, with the important columns shown):"
-	@case "$${MLFLOW_TRACKING_URI:-}" in \
-	  http://*|https://*) $(RUN) $(BIN)/python -m tools.init_store --ui-base "$$MLFLOW_TRACKING_URI" ;; \
-	  *) $(RUN) $(BIN)/python -m tools.init_store --ui-base http://127.0.0.1:5000 && \
-	     $(BIN)/mlflow ui --host 127.0.0.1 --port 5000 \
-	       --backend-store-uri "$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}" \
-	       --artifacts-destination "$(CURDIR)/mlartifacts" ;; \
-	esac
+	@$(RUN) $(BIN)/python -m tools.ui --port "$(PORT)"
 
 ## serve: serve a dataset's champion (models:/gat-<dataset>@champion) over HTTP on 127.0.0.1 until Ctrl-C:
 ## DATASET=cora by default, PORT=<n> or a free port; it prints the address once the server answers

@@ -101,7 +101,7 @@ def run() -> None:
     run_name = f"{settings.dataset}-{tags.get('dvc_exp_name', f'seed{settings.seed}')}"
     logged = logged_params(params, "train")  # every value that shapes this run, the data's too
     tags[NOTE] = describe_run(f"GAT trained on {settings.dataset} with seed {settings.seed} (stages train and "
-                              "evaluate): the metrics are the restored checkpoint's; epoch_* are the per-epoch "
+                              "evaluate): the metrics are the restored checkpoint's; `epoch_*` are the per-epoch "
                               f"curves; the model is `{model_name(settings.dataset)}`.", logged)
     with stage_run(TRAIN_EXPERIMENT, run_name, tags) as active:
         mlflow.log_params(logged)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from markdown_support import markdown_problems
 from pipeline_support import DATASETS, TINY, VENV_BIN, Pipeline, ran
 
 from gat.config import flatten
@@ -114,6 +115,15 @@ def test_experiments_open_in_model_training_mode_with_descriptions(pipeline: Pip
     assert "All params as committed" in row.data.tags["mlflow.note.content"]
     parents = [run for run in pipeline.runs(REPRODUCE_EXPERIMENT) if "mlflow.parentRunId" not in run.data.tags]
     assert all("mlflow.note.content" in run.data.tags for run in parents)
+    # MLflow's Compare page opens its parallel-coordinates plot on the first metric the first run logged.
+    assert all(next(iter(run.data.metrics)) == "test_acc_mean" for run in parents)
+    # Every description the UI shows renders as written (Markdown): the experiments', the runs', the models'.
+    notes = [pipeline.client.get_experiment_by_name(name).tags["mlflow.note.content"]
+             for name in (TRAIN_EXPERIMENT, DATA_EXPERIMENT, REPRODUCE_EXPERIMENT)]
+    notes += [run.data.tags["mlflow.note.content"] for name in (TRAIN_EXPERIMENT, REPRODUCE_EXPERIMENT)
+              for run in pipeline.runs(name) if "mlflow.note.content" in run.data.tags]
+    notes += [model.description for model in pipeline.client.search_registered_models()]
+    assert {note: markdown_problems(note) for note in notes} == dict.fromkeys(notes, [])
 
 
 def test_confusion_matrix_and_curves_are_pictures(pipeline: Pipeline, tmp_path: Path) -> None:

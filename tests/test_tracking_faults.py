@@ -188,7 +188,7 @@ def test_a_killed_stages_run_is_ended_killed_by_the_next_stage(sqlite_stages: St
 
 
 def test_make_ui_ends_abandoned_runs_before_the_ui_shows_them(sqlite_stages: Stages) -> None:
-    """`make ui` (and `make repro`) first run tools.init_store, which opens every experiment."""
+    """`make repro` first runs tools.init_store, which opens every experiment, as `make ui` (tools.ui) does."""
     client = MlflowClient(sqlite_stages.env["MLFLOW_TRACKING_URI"])
     process, run_id = sqlite_stages.start("killed")
     _killed(process)

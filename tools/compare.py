@@ -35,7 +35,7 @@ from stages.support.interrupts import main
 from stages.support.params import ArgumentParser, check_tracking_uri, fail, repo_root
 from stages.support.store import COMPARE_EXPERIMENT, REPRODUCE_EXPERIMENT, shown_uri, use_store
 from stages.support.tables import pct
-from stages.support.tracking import stage_run
+from stages.support.tracking import code_span, stage_run
 
 # The params of a reproduction that change its result (the others say where and how fast it ran).
 RESULT_PARAMS = ("reproduce.seeds", "reproduce.first_seed")
@@ -209,7 +209,7 @@ def run() -> None:
         experiments = sorted({c.experiment for c in configs if c.experiment})
         with stage_run(COMPARE_EXPERIMENT, f"compare-{len(configs)}-configurations", {
                 "mlflow.note.content": f"{len(configs)} reproduced configurations compared; varied: "
-                                       f"{', '.join(keys) or 'nothing'}."}):
+                                       f"{', '.join(map(code_span, keys)) or 'nothing'}."}):
             mlflow.log_params({"varied": ",".join(keys) or "-", "dvc_experiments": ",".join(experiments)[:6000] or "-"})
             mlflow.log_metrics({"configurations": len(configs), "runs": len({c.run.info.run_id for c in configs})})
             mlflow.log_text(table, "compare.md")

@@ -121,9 +121,7 @@ def promote_if_champion(run_id: str, model: str, model_uri: str, val_acc: float)
                         f"this run {val_acc:.4f})")
         else:
             try:
-                client.create_registered_model(model, description=(
-                    f"GAT models trained by the pipeline on {model.removeprefix('gat-')}. The `{CHAMPION}` "
-                    "alias marks the version with the highest validation accuracy."))
+                client.create_registered_model(model, description=model_description(model))
             except MlflowException:
                 pass  # registered already, with no champion yet
         version = mlflow.register_model(model_uri, model, tags={"val_acc": repr(val_acc),
@@ -133,6 +131,12 @@ def promote_if_champion(run_id: str, model: str, model_uri: str, val_acc: float)
         return f"registered as {model} version {version.version}, now `{CHAMPION}` (val_acc {val_acc:.4f})"
     return (f"registered as {model} version {version.version} (val_acc {val_acc:.4f}); `{CHAMPION}` is version "
             f"{champion.version} (val_acc {float(champion.tags['val_acc']):.4f}), registered at the same time")
+
+
+def model_description(model: str) -> str:
+    """The registered model's description (Markdown in MLflow's UI)."""
+    return (f"GAT models trained by the pipeline on {model.removeprefix('gat-')}. The `{CHAMPION}` alias marks the "
+            "version with the highest validation accuracy.")
 
 
 def _champion(client: MlflowClient, model: str):

@@ -11,6 +11,7 @@ import socket
 import sys
 from pathlib import Path
 from typing import Iterator
+from urllib.parse import quote
 
 # The machines here have no internet, and a pipeline should not phone home: no usage telemetry.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -33,14 +34,15 @@ TRAIN_EXPERIMENT = "gat-repro"
 DATA_EXPERIMENT = "gat-repro-data"
 REPRODUCE_EXPERIMENT = "gat-repro-reproduce"
 COMPARE_EXPERIMENT = "gat-repro-compare"
+EXPERIMENTS = (TRAIN_EXPERIMENT, REPRODUCE_EXPERIMENT, DATA_EXPERIMENT, COMPARE_EXPERIMENT)
 
 # What each experiment holds: its description in the UI (the `mlflow.note.content` tag).
 DESCRIPTIONS = {
     TRAIN_EXPERIMENT: "One row per training configuration (stages train + evaluate): the params with params.yaml's "
                       "dotted keys, test_acc, val_acc, test_macro_f1, epochs and best_epoch of the restored "
-                      "checkpoint, per-epoch curves (epoch_*), the confusion matrix (JSON), the curves as a PNG, the "
-                      "analyze stage's pictures and metrics (analysis/), and the model. The best configuration on "
-                      "val_acc is registered as gat-<dataset>@champion.",
+                      "checkpoint, per-epoch curves (`epoch_*`), the confusion matrix (JSON), the curves as a PNG, the "
+                      "analyze stage's pictures and metrics (`analysis/`), and the model. The best configuration on "
+                      "val_acc is registered as `gat-<dataset>@champion`.",
     DATA_EXPERIMENT: "One run per download or preprocess of a dataset: its source, checksums, sizes and split.",
     COMPARE_EXPERIMENT: "One run per `python -m tools.compare` (`make compare`): every reproduced configuration's "
                         "mean test accuracy with its 95% CI, per dataset, as a table (compare.md) and a plot "
@@ -51,18 +53,32 @@ DESCRIPTIONS = {
 
 # The columns each experiment's runs table opens with, so the important values need no ticking among dozens.
 # MLflow's UI loads a view state from the experiment tag `mlflow.sharedViewState.<key>` when the page's URL
-# carries `viewStateShareKey=<key>`: `ui_url` builds that URL.
+# carries `viewStateShareKey=<key>`: `ui_url` builds that URL. It takes the search (searchFilter, orderByKey, ...)
+# and the table's and charts' layout (selectedColumns, compareRunCharts, ...), never which rows are expanded.
 VIEW_KEY = "main"
+TRAIN_PARAMS = ("train.dataset", "train.seed", "train.optim.lr", "train.optim.weight_decay", "train.model.heads",
+                "train.model.dropout")
+# The Chart view's sections, and its first chart: the params against test_acc (MLflow's Compare page instead opens
+# its parallel-coordinates plot on the first metric a run logged, epoch_train_loss for a training run). MLflow
+# adds a chart per metric to the sections by itself: after this one in a section marked reordered, else sorted
+# by name around it.
+_SECTIONS = [{"uuid": f"gat-{name.split()[0].lower()}", "name": name, "display": True, "isReordered": True,
+              "deleted": False, "isGenerated": True} for name in ("Model metrics", "System metrics")]
+_PARAMS_TO_TEST_ACC = {"uuid": "gat-params-to-test-acc", "type": "PARALLEL", "metricSectionId": _SECTIONS[0]["uuid"],
+                       "isGenerated": False, "deleted": False, "runsCountToCompare": 100, "showAllRuns": True,
+                       "selectedParams": list(TRAIN_PARAMS[2:]), "selectedMetrics": ["test_acc"]}
 VIEWS = {
     TRAIN_EXPERIMENT: {"orderByKey": "metrics.`val_acc`", "orderByAsc": False, "selectedColumns": [
         *(f"metrics.`{m}`" for m in ("test_acc", "val_acc", "test_macro_f1", "epochs", "best_epoch")),
-        *(f"params.`{p}`" for p in ("train.dataset", "train.seed", "train.optim.lr", "train.optim.weight_decay",
-                                    "train.model.heads", "train.model.dropout")),
-        "tags.`dvc_exp_name`"]},
-    # Sorted on a parent-only metric: the parents come first, each with its seeds folded under it.
-    REPRODUCE_EXPERIMENT: {"orderByKey": "metrics.`test_acc_mean`", "orderByAsc": False, "selectedColumns": [
+        *(f"params.`{p}`" for p in TRAIN_PARAMS), "tags.`dvc_exp_name`"],
+        "compareRunCharts": [_PARAMS_TO_TEST_ACC], "compareRunSections": _SECTIONS},
+    # The parents only: MLflow nests child runs under their parent only in a table sorted by start time (and
+    # unfiltered), where a page of 100 runs holds a parent's seeds but not always the parent; sorted on a metric,
+    # it lists parents and seeds flat. Each parent's page lists its seeds ("Child runs").
+    REPRODUCE_EXPERIMENT: {"searchFilter": "tags.`mlflow.parentRunId` IS NULL", "orderByKey": "metrics.`test_acc_mean`",
+                           "orderByAsc": False, "selectedColumns": [
         *(f"metrics.`{m}`" for m in ("test_acc_mean", "test_acc_std", "test_acc_ci95_low", "test_acc_ci95_high",
-                                     "val_acc_mean", "epochs_mean", "test_acc", "val_acc", "epochs")),
+                                     "val_acc_mean", "epochs_mean", "seeds")),
         "params.`reproduce.seeds`", "tags.`dataset`", "tags.`dvc_exp_name`"]},
     COMPARE_EXPERIMENT: {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": [
         "metrics.`configurations`", "metrics.`runs`", "params.`varied`", "params.`dvc_experiments`"]},
@@ -379,12 +395,20 @@ def end_abandoned_runs(client: MlflowClient, experiment_id: str, experiment: str
               "as KILLED", file=sys.stderr)
 
 
-def ui_url(base: str, experiment_id: str) -> str:
-    """The UI page of an experiment's runs, in the "Model training" view, with the important columns shown.
+def compare_url(base: str, run_ids: list[str], experiment_ids: list[str]) -> str:
+    """MLflow's page comparing runs (its parallel-coordinates plot, params and metrics side by side), in the
+    "Model training" view: the page the runs table's Compare button opens keeps no `workflowType` (ui_url)."""
+    runs, experiments = (quote(json.dumps(ids, separators=(",", ":"))) for ids in (run_ids, experiment_ids))
+    return f"{base.rstrip('/')}/#/compare-runs?runs={runs}&experiments={experiments}&workflowType=machine_learning"
+
+
+def ui_url(base: str, experiment_id: str, charts: bool = False) -> str:
+    """The UI page of an experiment's runs, in the "Model training" view, with the important columns shown; with
+    `charts`, its Chart view (VIEWS' compareRunCharts first) instead of the table.
 
     MLflow 3.17 picks GenAI or Model training for the whole UI from the `workflowType` URL parameter (else
     the browser's last choice, GenAI at first); the experiment's `mlflow.experimentKind` tag marks its kind.
     """
+    mode = "&compareRunsMode=CHART" if charts else ""
     return (f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs"
-            f"?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}")
-
+            f"?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}{mode}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import subprocess
 import time
 from typing import Any, Iterator, Mapping, Sequence
@@ -261,12 +262,22 @@ def committed_params_yaml() -> str | None:
         return None
 
 
+def code_span(value: object) -> str:
+    """`value` as a Markdown code span: MLflow's UI renders descriptions as Markdown, where a bare `<name>` is an
+    HTML tag (dropped) and `_` or `*` may turn text italic. The fence is one backtick longer than any in it."""
+    text = str(value)
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def describe_run(what: str, current: Mapping[str, object]) -> str:
     """A run's description for the UI: what it holds, then the params that differ from the committed defaults."""
     changed = params_changed_from_committed(current, committed_params_yaml())
     if not changed:
         return f"{what}\n\nAll params as committed in params.yaml (the defaults)."
-    lines = "\n".join(f"- `{key}`: {this} (committed: {before})" for key, (before, this) in sorted(changed.items()))
+    lines = "\n".join(f"- {code_span(key)}: {code_span(this)} (committed: {code_span(before)})"
+                      for key, (before, this) in sorted(changed.items()))
     return f"{what}\n\nParams that differ from the committed params.yaml:\n{lines}"
 
 
