@@ -2,16 +2,16 @@
 
     python -m tools.exps [any `dvc exp show` option: -A, -n 3, --rev ...]     (`make exps`)
 
-`dvc exp show` puts every param and every metric side by side (about 120 columns, 1,000 characters wide), so
-what an experiment changed and what came of it scroll off the screen. This reads the same data
+`dvc exp show` puts every param and every metric side by side, wider than a terminal, so what an experiment
+changed and what came of it scroll off the screen. This reads the same data
 (`dvc exp show --json`) and prints, for the workspace, each baseline commit and each of its experiments, the
 key metrics (the single training run's test_acc, val_acc and epochs; each reproduced dataset's mean test
-accuracy) and the params that differ from the baseline's:
+accuracy) and the params that differ from the baseline's (here after `dvc exp run -S train.optim.lr=0.01 -n lr-0.01`):
 
-    experiment         test_acc  val_acc  epochs  cora mean  citeseer mean  changed params
-    workspace            0.8360   0.8220     688     0.8324         0.7238
-    main (ab41576)       0.8360   0.8220     688     0.8324         0.7238
-      lr-0.01            0.8180   0.8040     412     0.8324         0.7238  train.optim.lr=0.01
+    experiment              test_acc  val_acc  epochs  citeseer mean  cora mean  changed params
+    workspace                 0.8270   0.8220     940         0.7238     0.8324  train.optim.lr=0.01
+    main (7260536)            0.8360   0.8220     688         0.7238     0.8324
+      lr-0.01                 0.8270   0.8220     940         0.7238     0.8324  train.optim.lr=0.01
 """
 
 from __future__ import annotations
@@ -148,8 +148,8 @@ def run() -> None:
                           capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
-        fail(f"`dvc exp show --json {' '.join(options)}` failed: {last} (run this in the repository, after "
-             "`dvc repro` or `dvc exp run`)")
+        fail(f"`{' '.join(['dvc exp show --json', *options])}` failed: {last} (run it in the repository; the "
+             "options are `dvc exp show`'s: see `dvc exp show --help`)")
     try:
         shown = json.loads(done.stdout)
     except json.JSONDecodeError:
