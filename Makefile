@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DVC_NO_ANALYTICS := 1
 PIP_INSTALL := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: repro test test-all lint ui serve bench bench-team bench-scale compare figures constraints clean team-up team-down team-status team-remote team-repro system-deps
+.PHONY: repro test test-all lint ui serve exps bench bench-team bench-scale compare figures constraints clean team-up team-down team-status team-remote team-repro system-deps
 
 # The project itself is installed in editable mode (pyproject.toml): the venv's python imports gat, stages and tools
 # from any folder, with no PYTHONPATH.
@@ -110,6 +110,11 @@ figures: $(VENV)/.runtime
 	$(RUN) $(BIN)/dvc repro analyze
 	mkdir -p reports/figures
 	cp data/analysis/*.png reports/figures/
+
+## exps: one line per DVC experiment (the workspace, the commit, each `dvc exp run`): its key metrics and the
+## params it changed (tools/exps.py); options go to `dvc exp show`, e.g. `make exps ARGS=-A`
+exps: $(VENV)/.runtime
+	$(RUN) $(BIN)/python -m tools.exps $(ARGS)
 
 ## compare: one table and plot of every reproduced configuration (dvc exp sweeps), from MLflow
 compare: $(VENV)/.runtime

@@ -18,14 +18,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import mlflow
 import torch
-from tqdm import tqdm
 
 from gat.config import Setup
 from gat.data import graph_to_tensors
@@ -37,6 +35,7 @@ from stages.support.files import load_prepared, outputs_together, write_csv, wri
 from stages.support.interrupts import main
 from stages.support.local_pool import WorkerPool, worker_pool
 from stages.support.params import ArgumentParser, device_for, fail, load_params
+from stages.support.progress import Progress
 from stages.support.seed_task import code_sha256
 from stages.support.seed_task import train_seed_batch as train_seeds
 from stages.support.store import NOTE, REPRODUCE_EXPERIMENT
@@ -66,7 +65,7 @@ def _starting_pool(executor: str, workers: int, device: torch.device
 
 
 def _gather(pool: "WorkerPool | DaskPool", graph_tensors: dict, setup: Setup, batches: Sequence[list[int]],
-            device: torch.device, bar: tqdm) -> list[BatchResult]:
+            device: torch.device, progress: Progress) -> list[BatchResult]:
     """Every batch's result, in the order of the batches, whatever order they finished in."""
     results: dict[int, BatchResult] = {}
     # What this process would train with (gat.training.planned_kernel): every worker must have trained with it.
@@ -75,7 +74,7 @@ def _gather(pool: "WorkerPool | DaskPool", graph_tensors: dict, setup: Setup, ba
         _check_kernel(result, here)  # at the first batch of another kernel: the tasks left are cancelled
         if index not in results:  # each batch once, even if a pool ever handed one back twice
             results[index] = result
-            bar.update(len(result.rows))
+            progress.update(len(result.rows))
     return [results[index] for index in range(len(batches))]
 
 
@@ -141,15 +140,15 @@ def run() -> None:
         # (stages.support.dask_pool). Inside the run: a scheduler
         # that can't be reached, or a cluster that fails to start, ends it FAILED.
         with pool_when_ready() as pool, \
-                tqdm(total=len(seeds), desc=f"reproduce {args.dataset}", unit="seed", disable=None) as bar:
+                Progress(f"reproduce {args.dataset}", "seeds", total=len(seeds)) as progress:
             run_tags = {"workers_resolved": str(pool.size)}
             if not isinstance(pool, WorkerPool):
-                tqdm.write(f"reproduce {args.dataset}: on {pool.describe()}", file=sys.stderr)  # above the bar
+                progress.write(f"reproduce {args.dataset}: on {pool.describe()}")  # above the bar
                 _check_same_code(pool.run_on_workers(code_sha256))
                 run_tags["dask_scheduler"] = pool.address
             mlflow.set_tags(run_tags)
             # Plain tensors travel to the workers; torch's pickling of sparse ones warns on every batch.
-            results = _gather(pool, graph_to_tensors(graph), setup, batches, device, bar)
+            results = _gather(pool, graph_to_tensors(graph), setup, batches, device, progress)
         _check_same_code(results)
         rows = [row for result in results for row in result.rows]
         if [row["seed"] for row in rows] != seeds:

@@ -19,7 +19,6 @@ from unittest.mock import patch
 
 import mlflow
 import torch
-from tqdm import tqdm
 
 import gat
 from gat.config import ModelConfig, training_memory_bytes
@@ -30,6 +29,7 @@ from stages.support.figures import curves_figure
 from stages.support.files import load_prepared, outputs_together, write_atomic, write_csv, write_json
 from stages.support.interrupts import main
 from stages.support.params import ArgumentParser, device_for, fail, load_params
+from stages.support.progress import Progress
 from stages.support.store import NOTE, TRAIN_EXPERIMENT, model_name
 from stages.support.tracking import EpochLogger, describe_run, log_dataset, logged_params, stage_run, standard_tags
 
@@ -107,7 +107,7 @@ def run() -> None:
         mlflow.log_params(logged)
         log_dataset(settings.dataset, redact(params.download.base_url), meta["source_sha256"], context="training")
         history: list[dict] = []
-        with tqdm(desc=f"train {settings.dataset}", unit="epoch", disable=None) as bar, \
+        with Progress(f"train {settings.dataset}", "epochs") as progress, \
                 EpochLogger(active.info.run_id) as logger:
             def on_epoch(m: EpochMetrics) -> None:
                 row = {"epoch": m.epoch, "train_loss": m.train_loss.item(), "train_acc": m.train_acc.item(),
@@ -115,8 +115,7 @@ def run() -> None:
                 history.append(row)
                 # epoch_*: the curves never share a key with the restored model's val_acc, which evaluate logs.
                 logger.log({("epoch" if key == "epoch" else f"epoch_{key}"): value for key, value in row.items()})
-                bar.update()
-                bar.set_postfix(val_acc=f"{row['val_acc']:.3f}", val_loss=f"{row['val_loss']:.3f}")
+                progress.update(postfix={"val_acc": f"{row['val_acc']:.3f}", "val_loss": f"{row['val_loss']:.3f}"})
 
             try:
                 result = train(tensors, settings.model, settings.optim, [settings.seed], on_epoch)

@@ -298,6 +298,35 @@ def test_a_temporary_exp_run_is_its_own_row_and_leaves_params_yaml_alone(pipelin
     assert newest.info.artifact_uri.startswith((pipeline_copy.root / "mlartifacts").as_uri())
 
 
+def test_make_exps_shows_what_an_experiment_changed_and_what_it_did(pipeline_copy: Pipeline) -> None:
+    """The README's first screen after `dvc exp run -S train.optim.lr=0.01`: `make exps` (tools.exps)."""
+    pipeline_copy.dvc("exp", "run", "-S", "train.optim.lr=0.01", "-n", "lr-001")
+    shown = pipeline_copy.python("-m", "tools.exps").stdout.splitlines()
+    metrics = json.loads((pipeline_copy.root / "data/eval/metrics.json").read_text())  # the experiment's
+    header, workspace, baseline, experiment = shown
+    assert header.split()[:4] == ["experiment", "test_acc", "val_acc", "epochs"]
+    assert workspace.startswith("workspace") and workspace.endswith("train.optim.lr=0.01")
+    assert baseline.startswith("main (") and "=" not in baseline
+    cells = experiment.split()
+    assert cells[0] == "lr-001" and cells[-1] == "train.optim.lr=0.01"  # the one param changed, nothing else
+    assert cells[1:4] == [f"{metrics['test_acc']:.4f}", f"{metrics['val_acc']:.4f}", str(metrics["epochs"])]
+    assert all(len(line) <= 120 for line in shown)
+
+
+def test_a_clean_run_prints_stage_lines_progress_and_results(pipeline: Pipeline) -> None:
+    """Off a terminal (dvc's output to a file), each reproduction says how far it is; registering the first
+    model in a brand-new store prints none of MLflow's registry lines, nor a download bar."""
+    shown = pipeline.first.stdout + pipeline.first.stderr
+    for name in DATASETS:
+        progress = [line for line in shown.splitlines() if line.startswith(f"reproduce {name}: ")]
+        assert progress and progress[-1].startswith(f"reproduce {name}: {TINY['reproduce.seeds']}/"
+                                                     f"{TINY['reproduce.seeds']} seeds (100 %), "), shown
+    assert "registered as gat-cora version 1, now `champion`" in shown
+    for noise in ("already exists", "Created version", "Successfully registered", "Waiting up to",
+                  "Downloading artifacts"):
+        assert noise not in shown
+
+
 def test_bad_param_fails_before_any_work(pipeline_copy: Pipeline) -> None:
     before = len(pipeline_copy.all_runs())
     original = (pipeline_copy.root / "params.yaml").read_text()

@@ -65,6 +65,13 @@ def test_every_stage_logs_to_the_server_and_nothing_to_sqlite(team_pipeline: Pip
         assert all(run.info.status == "FINISHED" for run in [parent, *children])
 
 
+def test_registering_against_the_server_prints_none_of_mlflows_registry_lines(team_pipeline: Pipeline) -> None:
+    shown = team_pipeline.first.stdout + team_pipeline.first.stderr
+    assert "registered as gat-cora version" in shown or "champion stays gat-cora" in shown
+    for noise in ("Waiting up to", "already exists", "Created version", "Downloading artifacts"):
+        assert noise not in shown
+
+
 def test_models_are_objects_in_the_bucket_and_load_through_the_server(team_pipeline: Pipeline,
                                                                       team_backend: TeamBackend,
                                                                       tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Mapping
@@ -11,8 +12,10 @@ from typing import Mapping
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 import mlflow  # noqa: E402  (after the telemetry switch, which MLflow reads when it starts)
+from mlflow.entities.model_registry.model_version_status import ModelVersionStatus
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 
 from stages.support.params import fail
 from stages.support.store import TRAIN_EXPERIMENT, is_server, refuse_a_foreign_name, store_lock, tracking_uri
@@ -124,8 +127,8 @@ def promote_if_champion(run_id: str, model: str, model_uri: str, val_acc: float)
                 client.create_registered_model(model, description=model_description(model))
             except MlflowException:
                 pass  # registered already, with no champion yet
-        version = mlflow.register_model(model_uri, model, tags={"val_acc": repr(val_acc),
-                                                                 MODEL_DIGEST_TAG: model_digest(model_uri)})
+        version = _new_version(client, model, model_uri, {"val_acc": repr(val_acc),
+                                                          MODEL_DIGEST_TAG: model_digest(model_uri)})
         champion = settle_champion(client, model)
     if champion.version == version.version:
         return f"registered as {model} version {version.version}, now `{CHAMPION}` (val_acc {val_acc:.4f})"
@@ -137,6 +140,28 @@ def model_description(model: str) -> str:
     """The registered model's description (Markdown in MLflow's UI)."""
     return (f"GAT models trained by the pipeline on {model.removeprefix('gat-')}. The `{CHAMPION}` alias marks the "
             "version with the highest validation accuracy.")
+
+
+def _new_version(client: MlflowClient, model: str, model_uri: str, tags: dict[str, str]):
+    """A new version of the registered model `model` (created above) from the logged model `model_uri`
+    (`models:/<model_id>`), as mlflow.register_model makes it, without its side effects on a clean run's output:
+    it creates the registered model again ("Registered model 'gat-cora' already exists", on a brand-new store too),
+    prints "Created version ...", and logs "Waiting up to 300 seconds ..." against a server. That wait is for a
+    version PENDING_REGISTRATION, which MLflow's own stores never make (SQLite, and a server's SQLAlchemy store,
+    create a version READY); a registry that copies files first (Databricks) would, and the alias must not point
+    at a version that may yet fail, so such a version is an error here instead of a wait."""
+    model_id = model_uri.removeprefix("models:/")
+    # The store finds the run from the logged model, as register_model leaves it to.
+    version = client.create_model_version(model, model_uri, tags=tags, await_creation_for=0, model_id=model_id)
+    if version.status != ModelVersionStatus.to_string(ModelVersionStatus.READY):
+        fail(f"{model} version {version.version} was created {version.status}, not READY: this registry prepares "
+             "versions after creating them, which the pipeline does not support; track into mlflow.db or an MLflow "
+             "server (see the README's team mode)")
+    # What register_model does next: the logged model's page lists its registered versions from this tag.
+    linked = json.loads(client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS, "[]"))
+    client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(
+        [*linked, {"name": model, "version": version.version}])})
+    return version
 
 
 def _champion(client: MlflowClient, model: str):

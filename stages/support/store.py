@@ -118,9 +118,7 @@ def is_server(uri: str) -> bool:
 # (_end_failed) takes at most CLEANUP_TIMEOUT_S more.
 # MLflow also prints two "View run at <url>" lines per run against a server: 200 for reproduce's children.
 SERVER_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-                          # no progress bar on stderr for every model downloaded (model_digest, load_verified_model)
-                          "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
+                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 # What talking to a tracking server can raise: MLflow's own errors, and requests' once its retries are spent.
 SERVER_ERRORS = (MlflowException, requests.RequestException)
 # Marking a run FAILED after the server failed: one try, this long; a server that did not answer the stage's
@@ -139,6 +137,8 @@ def from_server(error: BaseException) -> bool:
 def use_store() -> str:
     """Point MLflow at the tracking store and return its URI; a server is checked first (check_server)."""
     uri = tracking_uri()
+    # No progress bar on stderr for every model downloaded (model_digest, load_verified_model), from any store.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     if is_server(uri):
         for key, value in SERVER_CLIENT_DEFAULTS.items():
             os.environ.setdefault(key, value)
