@@ -12,7 +12,7 @@ import gat
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ROOMS = ("gat", "gat.seeds", "gat.dense_reference", "stages.train", "stages.reproduce", "stages.support.store",
-         "tools.compare", "tools.init_store", "team", "benchmarks.scale")
+         "tools.compare", "tools.init_store", "tools.ui", "tools.serve", "tools.exps", "team", "benchmarks.scale")
 
 
 def test_the_project_is_an_installed_distribution() -> None:
