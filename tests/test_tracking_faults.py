@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 from pipeline_support import REPO, VENV_BIN, Pipeline, clean_env
 from team_support import TeamBackend
 
-from stages.support.champion import CHAMPION
+from stages.support.champion import CHAMPION, MODEL_FORMAT, MODEL_FORMAT_TAG
 from stages.support.store import HOST_TAG, PID_START_TAG, PID_TAG, TRAIN_EXPERIMENT
 
 # A stage that opens a run in the training experiment, writes the run's id to argv[2], waits (at most 10
@@ -448,9 +448,38 @@ def test_an_equal_newcomer_never_displaces_the_champion(tmp_path: Path) -> None:
     client = MlflowClient(uri)
     client.create_registered_model("gat-tie")
     source = client.get_logged_model(model_uri.removeprefix("models:/")).artifact_location
-    tags = {"val_acc": "0.8", "artifacts_sha256": "0" * 64}
+    tags = {"val_acc": "0.8", "artifacts_sha256": "0" * 64, MODEL_FORMAT_TAG: MODEL_FORMAT}
     first, second = (client.create_model_version("gat-tie", source, run_id, tags=tags) for _ in range(2))
     client.create_model_version("gat-tie", source, run_id, tags={"val_acc": "0.9"})  # not the pipeline's
     client.set_registered_model_alias("gat-tie", CHAMPION, second.version)
     assert settle_champion(client, "gat-tie").version == first.version
     assert client.get_model_version_by_alias("gat-tie", CHAMPION).version == first.version
+
+
+def test_an_older_pipelines_champion_gives_way_and_is_never_loaded(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A champion an older pipeline registered (a pickled pytorch model: no model_format tag) keeps the alias
+    against no model of today's format, even a worse one, and loading or serving it stops in one line."""
+    from stages.support.champion import download_verified_model, promote_if_champion
+    from stages.support.params import StageError
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (old_uri, old_run), (new_uri, new_run) = _logged_models(uri, 2)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    client = MlflowClient(uri)
+    client.create_registered_model("gat-upgraded")
+    source = client.get_logged_model(old_uri.removeprefix("models:/")).artifact_location
+    old = client.create_model_version("gat-upgraded", source, old_run, tags={"val_acc": "0.9",
+                                                                             "artifacts_sha256": "0" * 64})
+    client.set_registered_model_alias("gat-upgraded", CHAMPION, old.version)
+    with pytest.raises(StageError, match=r"which an older pipeline registered .*`make repro` registers today's"):
+        download_verified_model(f"models:/gat-upgraded@{CHAMPION}", tmp_path / "download")
+    assert not (tmp_path / "download").exists() or not any((tmp_path / "download").iterdir())
+
+    said = promote_if_champion(new_run, "gat-upgraded", new_uri, 0.8)
+    champion = client.get_model_version_by_alias("gat-upgraded", CHAMPION)
+    assert said.startswith("registered as gat-upgraded version 2, now `champion`"), said
+    assert str(champion.version) == "2" and champion.tags[MODEL_FORMAT_TAG] == MODEL_FORMAT
+    # From then on, the usual rule: an equal newcomer of today's format leaves it where it is.
+    said = promote_if_champion(old_run, "gat-upgraded", new_uri, 0.8)
+    assert said.startswith("champion stays gat-upgraded version 2"), said

@@ -72,19 +72,29 @@ def answers(url: str) -> bool:
 
 
 def stop(server: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group (the mlflow CLI and its uvicorn), SIGKILL after STOP_TIMEOUT_S."""
-    if server.poll() is not None:
-        return
+    """SIGTERM to the server's process group (the mlflow CLI and its uvicorn), SIGKILL after STOP_TIMEOUT_S; returns
+    once the whole group is gone (the CLI can exit before its uvicorn has finished stopping)."""
     for signum in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(server.pid, signum)
         except ProcessLookupError:
-            return
-        try:
-            server.wait(timeout=STOP_TIMEOUT_S)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            break
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while group_alive(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not group_alive(server):
+            break
+    server.wait()
+
+
+def group_alive(server: subprocess.Popen) -> bool:
+    """Whether any process of the server's group still runs (its leader, once exited, is reaped here)."""
+    server.poll()
+    try:
+        os.killpg(server.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def champion_of(dataset: str, folder: Path):

@@ -27,6 +27,12 @@ from stages.support.tracking import data_digest
 CHAMPION = "champion"
 # A registered version's tag: SHA-256 over its model's files as the pipeline registered them (model_digest).
 MODEL_DIGEST_TAG = "artifacts_sha256"
+# A registered version's tag: the logged model's format. Only versions in today's format compete for `champion`:
+# an older pipeline registered pickled pytorch models (no `model_format` tag), which check no input when served, and
+# a champion left from then would otherwise keep the alias against every equal newcomer. Change the value whenever
+# the logged model's format changes (stages/support/served_model.py, train's log_model).
+MODEL_FORMAT_TAG = "model_format"
+MODEL_FORMAT = "pyfunc from code (served_model.py), tensors as artifacts"
 
 
 def folder_digest(folder: Path) -> str:
@@ -65,6 +71,10 @@ def download_verified_model(uri: str, folder: Path):
     those the pipeline registered (the version's artifacts_sha256 tag); else one line, before any of its code runs.
     Returns the version and the model's local folder: load or serve those very files."""
     version = version_of(uri)
+    if version.tags.get(MODEL_FORMAT_TAG) != MODEL_FORMAT:
+        fail(f"{uri} is {version.name} version {version.version}, which an older pipeline registered (a pickled "
+             "pytorch model, which checks no input): not loaded; `make repro` registers today's model, or name a "
+             "newer version")
     expected = version.tags.get(MODEL_DIGEST_TAG)
     local = Path(mlflow.artifacts.download_artifacts(f"models:/{version.name}/{version.version}", dst_path=str(folder)))
     found = folder_digest(local)
@@ -119,7 +129,8 @@ def promote_if_champion(run_id: str, model: str, model_uri: str, val_acc: float)
             refuse_a_foreign_name("registered model", model, model)
             refuse_a_foreign_champion(client, model, current)
             best = float(current.tags.get("val_acc", "nan"))
-            if current.run_id == run_id or not val_acc > best:
+            # An older pipeline's champion (another format) is not compared: today's model takes the alias.
+            if current.tags.get(MODEL_FORMAT_TAG) == MODEL_FORMAT and (current.run_id == run_id or not val_acc > best):
                 return (f"champion stays {model} version {current.version} (val_acc {best:.4f}; "
                         f"this run {val_acc:.4f})")
         else:
@@ -127,7 +138,7 @@ def promote_if_champion(run_id: str, model: str, model_uri: str, val_acc: float)
                 client.create_registered_model(model, description=model_description(model))
             except MlflowException:
                 pass  # registered already, with no champion yet
-        version = _new_version(client, model, model_uri, {"val_acc": repr(val_acc),
+        version = _new_version(client, model, model_uri, {"val_acc": repr(val_acc), MODEL_FORMAT_TAG: MODEL_FORMAT,
                                                           MODEL_DIGEST_TAG: model_digest(model_uri)})
         champion = settle_champion(client, model)
     if champion.version == version.version:
@@ -178,10 +189,11 @@ SETTLE_ROUNDS = 20
 
 
 def _pipeline_versions(client: MlflowClient, model: str) -> dict[str, float]:
-    """Version number -> val_acc of every version the pipeline registered (with its val_acc and artifacts_sha256
-    tags)."""
+    """Version number -> val_acc of every version the pipeline registered in today's format (with its val_acc and
+    artifacts_sha256 tags, and MODEL_FORMAT)."""
     versions = client.search_model_versions(f"name = '{model}'")
-    return {v.version: float(v.tags["val_acc"]) for v in versions if {"val_acc", MODEL_DIGEST_TAG} <= set(v.tags)}
+    return {v.version: float(v.tags["val_acc"]) for v in versions
+            if {"val_acc", MODEL_DIGEST_TAG} <= set(v.tags) and v.tags.get(MODEL_FORMAT_TAG) == MODEL_FORMAT}
 
 
 def _best(versions: Mapping[str, float]) -> str:
