@@ -206,8 +206,8 @@ def test_a_taken_port_is_one_line_exit_2_and_starts_nothing(tiny_store: str) -> 
         finally:
             ui.kill()
     assert ui.returncode == 2
-    assert err.splitlines() == [f"error: port {port} is taken on 127.0.0.1 (another MLflow UI, or another server): "
-                                f"stop it, or use another port: `make ui PORT={port + 1}`"]
+    assert err.splitlines() == [f"error: port {port} on 127.0.0.1 is taken (Address already in use): stop what listens "
+                                f"there (another MLflow UI?), or use another port: `make ui PORT={port + 1}`"]
     assert out == ""
     assert not Path(tiny_store.removeprefix("sqlite:///")).with_name(".mlflow-ui.log").exists()  # no server
 

@@ -6,95 +6,26 @@ The champion's files are downloaded and checked against the SHA-256 the pipeline
 (stages.support.champion.download_verified_model), then those very files are served by
 `mlflow models serve --env-manager local` (this venv's packages; its `uvicorn` on PATH). The address is printed
 once the server answers /ping. Ctrl-C, SIGTERM, SIGHUP or the death of the parent (make) stop the server and its
-workers within seconds; a SIGKILL of this process stops them too (PR_SET_PDEATHSIG).
+workers within seconds; a SIGKILL of this process stops them too (PR_SET_PDEATHSIG). The server's process is
+tools.local_server's, as `make ui`'s.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 from stages.support.interrupts import main
 from stages.support.params import ArgumentParser, fail
 from stages.support.store import model_name, shown_uri, tracking_uri
+from tools.local_server import HOST, check_port, free_port, start, stop, wait_until_answering
 
-HOST = "127.0.0.1"
 # Loading the model (torch, the graph) and starting uvicorn: seconds; minutes on a busy 2-core machine.
 START_TIMEOUT_S = 180.0
-# How long the server gets to stop on SIGTERM before its process group is killed.
-STOP_TIMEOUT_S = 10.0
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def free_port() -> int:
-    """A port no one listens on now, on 127.0.0.1 (the kernel's pick)."""
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        return int(probe.getsockname()[1])
-
-
-def check_port(port: int) -> None:
-    """One line and exit 2 when `port` on 127.0.0.1 is taken (or not a port), before the model is downloaded."""
-    if not 1 <= port <= 65535:
-        fail(f"PORT={port} is not a TCP port: give one from 1 to 65535, or leave PORT unset for a free one")
-    with socket.socket() as probe:
-        try:
-            probe.bind((HOST, port))
-        except OSError as error:
-            fail(f"port {port} on {HOST} is taken ({error.strerror}): give another with PORT=..., or leave PORT "
-                 "unset for a free one")
-
-
-def _die_with_this_process() -> None:
-    """In the server's process, before it runs: the kernel sends it SIGTERM when this process dies, even by
-    SIGKILL (MLflow's CLI passes the same on to its uvicorn)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except OSError:  # not Linux: the stop in run()'s finally is the only one
-        pass
-
-
-def answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return bool(response.status == 200)
-    except OSError:  # refused while it starts, or a timeout
-        return False
-
-
-def stop(server: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group (the mlflow CLI and its uvicorn), SIGKILL after STOP_TIMEOUT_S; returns
-    once the whole group is gone (the CLI can exit before its uvicorn has finished stopping)."""
-    for signum in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(server.pid, signum)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while group_alive(server) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not group_alive(server):
-            break
-    server.wait()
-
-
-def group_alive(server: subprocess.Popen) -> bool:
-    """Whether any process of the server's group still runs (its leader, once exited, is reaped here)."""
-    server.poll()
-    try:
-        os.killpg(server.pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+# The hint of a PORT that is taken or no port.
+PORT_HINT = "give another with PORT=..., or leave PORT unset for a free one"
 
 
 def champion_of(dataset: str, folder: Path):
@@ -126,28 +57,19 @@ def run() -> None:
     # No progress bar on stderr for each file downloaded (here, and by the mlflow CLI, which copies the model again).
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     if args.port is not None:
-        check_port(args.port)
+        check_port(args.port, PORT_HINT)
     with tempfile.TemporaryDirectory(prefix="gat-serve-") as folder:
         version, local = champion_of(args.dataset, Path(folder))
         port = args.port if args.port is not None else free_port()
         bin_folder = str(Path(sys.executable).parent)
         # The venv first on PATH: MLflow starts `uvicorn` by name (exit 127 inside a traceback without it).
         env = os.environ | {"PATH": f"{bin_folder}{os.pathsep}{os.environ.get('PATH', '')}"}
-        command = [str(Path(bin_folder) / "mlflow"), "models", "serve", "-m", str(local), "--env-manager", "local",
-                   "--host", HOST, "--port", str(port)]
-        # A session of its own: Ctrl-C reaches this process alone, which stops the server's whole group.
-        server = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                  preexec_fn=_die_with_this_process)
+        server = start([str(Path(bin_folder) / "mlflow"), "models", "serve", "-m", str(local), "--env-manager",
+                        "local", "--host", HOST, "--port", str(port)], env=env)
         try:
             base = f"http://{HOST}:{port}"
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while not answers(f"{base}/ping"):
-                if server.poll() is not None:
-                    fail(f"the model server exited with code {server.returncode} before it answered (its output "
-                         "is above)")
-                if time.monotonic() > deadline:
-                    fail(f"the model server did not answer {base}/ping within {START_TIMEOUT_S:.0f} s")
-                time.sleep(0.5)
+            wait_until_answering(server, f"{base}/ping", "the model server", START_TIMEOUT_S,
+                                 lambda: "its output is above")
             print(f"serving {version.name} version {version.version} (@champion, val_acc "
                   f"{float(version.tags.get('val_acc', 'nan')):.4f}) at {base}/invocations; Ctrl-C stops it",
                   flush=True)
@@ -156,7 +78,6 @@ def run() -> None:
                 fail(f"the model server exited with code {code} (its output is above)")
         finally:
             stop(server)
-
 
 if __name__ == "__main__":
     main(run, stopping="stopping the model server.")

@@ -5,24 +5,20 @@
 Against the local store, it checks that 127.0.0.1:PORT is free, starts `mlflow ui` there (its log in
 .mlflow-ui.log beside the store), waits until it answers, and only then prints the pages: each experiment's runs
 table and a comparison of the reproduced configurations, all in the "Model training" view. Ctrl-C, SIGTERM or
-SIGHUP stop it and its workers. With a team server's settings sourced (MLFLOW_TRACKING_URI=http://...), it prints
-that server's pages and starts nothing.
+SIGHUP stop it and its workers (tools.local_server). With a team server's settings sourced
+(MLFLOW_TRACKING_URI=http://...), it prints that server's pages and starts nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
-import requests
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
@@ -31,14 +27,11 @@ from stages.support.params import ArgumentParser, fail
 from stages.support.redaction import redact_urls
 from stages.support.store import (EXPERIMENTS, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT, artifact_root, compare_url,
                                   connect, is_server, shown_uri, tracking_uri, ui_url)
+from tools.local_server import HOST, check_port, start, stop, wait_until_answering
 
-HOST = "127.0.0.1"  # the UI is for this machine only: never another interface
 DEFAULT_PORT = 5000
 # How long the server may take to answer: about 10 s on an idle 2-core machine, 30 s and more on a busy one.
 START_TIMEOUT_S = 180.0
-POLL_S = 0.25
-# How long the server and its workers get to end after SIGTERM before they are killed.
-STOP_TIMEOUT_S = 10.0
 # Starlette 1.x deprecates the WSGI bridge that MLflow's FastAPI app imports (mlflow/server/fastapi_app.py), and
 # each server process says so at import: lines that name nothing a user can act on (MLflow and Starlette are
 # pinned in constraints.txt). Only that message is ignored, and only in the server's processes. Its category,
@@ -49,48 +42,17 @@ SERVER_WARNING_FILTER = "ignore:starlette.middleware.wsgi is deprecated:UserWarn
 COMPARE_MAX_RUNS = 20
 
 
-def port_taken(port: int) -> bool:
-    """Whether something listens on (or holds) HOST:port; bound as uvicorn binds it (SO_REUSEADDR), so a port
-    in TIME_WAIT after the last UI is not called taken."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((HOST, port))
-        except OSError as error:
-            if error.errno in (errno.EADDRINUSE, errno.EACCES):
-                return True
-            raise
-    return False
-
-
-def refuse_taken_port(port: int) -> None:
-    if port_taken(port):
-        fail(f"port {port} is taken on {HOST} (another MLflow UI, or another server): stop it, or use another port: "
-             f"`make ui PORT={port + 1}`")
-
-
-# Runs `mlflow ui` (argv[2:]) once the kernel is asked to SIGTERM it when this process dies, even by SIGKILL
-# (PR_SET_PDEATHSIG, as stages.support.local_pool's workers; it survives the exec), which `mlflow ui` forwards to
-# its server. The server has its own process group (Ctrl-C is this process's to handle), so nothing else would
-# end it. No prctl (not Linux): only `stop` ends it.
-_DIE_WITH_PARENT = """import ctypes, os, signal, sys
-try:
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)
-except (OSError, AttributeError):
-    pass
-if os.getppid() != int(sys.argv[1]):
-    sys.exit(1)
-os.execv(sys.argv[2], sys.argv[2:])
-"""
+def port_hint(port: int) -> str:
+    """What to do when `port` is taken (or no port): the hint of tools.local_server.check_port's line."""
+    other = port + 1 if 1 <= port < 65535 else DEFAULT_PORT + 1
+    return f"stop what listens there (another MLflow UI?), or use another port: `make ui PORT={other}`"
 
 
 def server_command(port: int, store_uri: str, artifacts: Path) -> list[str]:
-    """`mlflow ui` on HOST:port, with one worker (a UI for one person needs no more, and starts sooner), ended
-    with this process."""
-    mlflow_cli = Path(sys.executable).parent / "mlflow"
-    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), str(mlflow_cli), "ui", "--host", HOST,
-            "--port", str(port), "--workers", "1", "--backend-store-uri", store_uri, "--registry-store-uri",
-            store_uri, "--artifacts-destination", str(artifacts)]
+    """`mlflow ui` on HOST:port, with one worker (a UI for one person needs no more, and starts sooner)."""
+    return [str(Path(sys.executable).parent / "mlflow"), "ui", "--host", HOST, "--port", str(port), "--workers", "1",
+            "--backend-store-uri", store_uri, "--registry-store-uri", store_uri, "--artifacts-destination",
+            str(artifacts)]
 
 
 def server_env() -> dict[str, str]:
@@ -99,41 +61,12 @@ def server_env() -> dict[str, str]:
     return env
 
 
-def wait_until_answering(process: subprocess.Popen, base: str, log: Path, timeout_s: float = START_TIMEOUT_S) -> None:
-    """Return once the server answers HTTP on `base`; one-line error when it exits first or takes too long."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            fail(f"mlflow ui exited (code {process.returncode}) before it answered on {base}: {last_line(log)} "
-                 f"(its log: {log})")
-        try:
-            if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass  # not listening yet
-        time.sleep(POLL_S)
-    fail(f"mlflow ui did not answer on {base} within {timeout_s:.0f} s: see its log, {log}")
-
-
 def last_line(log: Path) -> str:
     try:
         lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
     except OSError:
         return "no log"
     return lines[-1][:300] if lines else "nothing logged"
-
-
-def stop(process: subprocess.Popen) -> None:
-    """End the server and its workers (its own process group, so by the server's PID), killed if they linger."""
-    for sig, wait_s in ((signal.SIGTERM, STOP_TIMEOUT_S), (signal.SIGKILL, STOP_TIMEOUT_S)):
-        if process.poll() is not None:
-            break
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(wait_s)
-    with contextlib.suppress(ProcessLookupError):  # workers that outlived the server process
-        os.killpg(process.pid, signal.SIGKILL)
 
 
 class _Stop(Exception):
@@ -196,7 +129,7 @@ def pages(base: str) -> list[str]:
 
 def serve(port: int, signals: _Signals) -> None:
     """Start the UI on the local store, print its pages once it answers, and run until stopped."""
-    refuse_taken_port(port)
+    check_port(port, port_hint(port))
     lines = pages(base := f"http://{HOST}:{port}")  # also makes the store, and ends runs left RUNNING
     artifacts = artifact_root()
     log = artifacts.parent / ".mlflow-ui.log"
@@ -204,12 +137,9 @@ def serve(port: int, signals: _Signals) -> None:
     try:
         print(f"Starting the MLflow UI on {base} (store {shown_uri()}; its log: {log}) ...", flush=True)
         with log.open("w") as out:
-            # Its own process group: the terminal's Ctrl-C reaches this process only, which stops the server and
-            # its workers together (stop).
-            process = subprocess.Popen(server_command(port, tracking_uri(), artifacts), env=server_env(),
-                                       stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
-        wait_until_answering(process, base, log)
+            process = start(server_command(port, tracking_uri(), artifacts), env=server_env(), output=out)
+        wait_until_answering(process, f"{base}/health", "mlflow ui", START_TIMEOUT_S,
+                             lambda: f"{last_line(log)} (its log: {log})")
         print("Open these pages (the \"Model training\" view, with the important columns shown):", *lines,
               "Ctrl-C stops the UI.", sep="\n", flush=True)
         code = process.wait()
@@ -224,8 +154,6 @@ def run() -> None:
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"the UI's port on {HOST} (default 5000)")
     args = parser.parse_args()
-    if not 1 <= args.port <= 65535:
-        fail(f"--port {args.port} is not a TCP port: use one from 1 to 65535 (`make ui PORT=5001`)")
     uri = tracking_uri()
     with _Signals().installed() as signals:
         try:
