@@ -155,3 +155,20 @@ time.sleep(600)
         parent.wait()
         for pid in group_running(server_pid) if server_pid else []:
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_signal_during_the_stop_does_not_cut_it_short(started: list[subprocess.Popen]) -> None:
+    """The server answers its SIGTERM with one to this process, as a second Ctrl-C while the stop runs."""
+    received: list[int] = []
+    server = start([sys.executable, "-c", "import os, signal, sys, time\n"
+                    "signal.signal(signal.SIGTERM, lambda *_: (os.kill(os.getppid(), signal.SIGTERM), sys.exit(0)))\n"
+                    "print('ready', flush=True)\ntime.sleep(600)"], output=subprocess.PIPE)
+    started.append(server)
+    assert server.stdout is not None and server.stdout.readline() == b"ready\n"
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        stop(server)
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # this process's handler is back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert server.returncode == 0 and group_running(server.pid) == [] and received == []

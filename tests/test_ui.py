@@ -239,7 +239,8 @@ def test_the_ui_prints_its_pages_once_they_answer_and_sigterm_stops_it_all(tiny_
         while _alive(below) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _alive(below)
-        assert ui.stderr is not None and ui.stderr.read().splitlines() == ["stopped by SIGTERM"]
+        assert ui.stderr is not None and ui.stderr.read().splitlines() == [
+            "error: interrupted by SIGTERM: stopping the MLflow UI."]
     finally:
         _kill(below | _descendants(ui.pid))  # first: once the UI process is gone, its server is no descendant
         ui.kill()
@@ -247,7 +248,8 @@ def test_the_ui_prints_its_pages_once_they_answer_and_sigterm_stops_it_all(tiny_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, code, said", [(signal.SIGINT, 128 + signal.SIGINT, ["stopped by SIGINT"]),
+@pytest.mark.parametrize("signum, code, said", [(signal.SIGINT, 128 + signal.SIGINT,
+                                                 ["error: interrupted by SIGINT: stopping the MLflow UI."]),
                                                 # the kernel then ends the server (PR_SET_PDEATHSIG)
                                                 (signal.SIGKILL, -signal.SIGKILL, [])])
 def test_a_stop_while_the_ui_starts_ends_it_all(tiny_store: str, signum: int, code: int, said: list[str]) -> None:

@@ -9,20 +9,25 @@ answers, and stopped, its whole group, by its PID (never by name).
         server.wait()
     finally:
         stop(server)
+
+Signals are stages.support.interrupts.main's (the command runs under it): the first Ctrl-C, SIGTERM or SIGHUP
+stops the command, and `stop` ignores more of them until the server's group is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, Iterator
 
 from stages.support.local_pool import PR_SET_PDEATHSIG
 from stages.support.params import fail
@@ -75,7 +80,7 @@ os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
-def start(command: list[str], env: dict[str, str] | None = None, output: IO | None = None) -> subprocess.Popen:
+def start(command: list[str], env: dict[str, str] | None = None, output: IO | int | None = None) -> subprocess.Popen:
     """Start `command` (its first item a path) in a session of its own, its stdout and stderr to `output` (None:
     this process's): the terminal's Ctrl-C reaches this process only, which stops the server's whole group
     (`stop`). The kernel sends it SIGTERM when this process dies."""
@@ -134,10 +139,33 @@ def group_running(pgid: int) -> list[int]:
     return running
 
 
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP ignored while a group is stopped (this process is stopping already, and the first
+    of them was stages.support.interrupts' to act on): a stop cut short would leave the server's workers running.
+    Only the main thread may change signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM,
+                                                                               signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: not installed from Python, nothing to restore
+                signal.signal(signum, handler)
+
+
 def stop(server: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:
     """SIGTERM to the server's process group (the server and its workers), SIGKILL to what is left after
     `timeout_s`; returns once no process of the group runs (the server can exit before its workers have), its
-    leader reaped. Only a process stuck in the kernel outlasts SIGKILL: that one is waited for `timeout_s` more."""
+    leader reaped. (Only a process stuck in the kernel outlasts SIGKILL, and only for `timeout_s` more.)"""
+    with _uninterrupted():
+        _stop(server, timeout_s)
+
+
+def _stop(server: subprocess.Popen, timeout_s: float) -> None:
     for signum in (signal.SIGTERM, signal.SIGKILL):
         server.poll()  # reaps the leader once it has exited
         if not group_running(server.pid):

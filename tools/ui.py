@@ -11,13 +11,10 @@ SIGHUP stop it and its workers (tools.local_server). With a team server's settin
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
@@ -69,36 +66,6 @@ def last_line(log: Path) -> str:
     return lines[-1][:300] if lines else "nothing logged"
 
 
-class _Stop(Exception):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class _Signals:
-    """Ctrl-C, SIGTERM and SIGHUP (a closed terminal, or stages.support.interrupts' watchdog when the parent is
-    gone) end the UI: the usual way to quit it, so not an error, and there is no run to mark FAILED. Once the
-    server is being stopped, more of them are ignored: a stop cut short would leave its workers running."""
-
-    def __init__(self) -> None:
-        self.stopping = False
-
-    def handle(self, signum: int, frame: object) -> None:
-        if not self.stopping:
-            self.stopping = True
-            raise _Stop(signum)
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator["_Signals"]:
-        previous = {signum: signal.signal(signum, self.handle)
-                    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        try:
-            yield self
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-
-
 def reproduced_configurations(client: MlflowClient, experiment_id: str) -> list[str]:
     """The newest finished parent run of each reproduced configuration (run name and DVC experiment), best mean
     test accuracy first: the rows of the paper's table."""
@@ -127,7 +94,7 @@ def pages(base: str) -> list[str]:
     return lines
 
 
-def serve(port: int, signals: _Signals) -> None:
+def serve(port: int) -> None:
     """Start the UI on the local store, print its pages once it answers, and run until stopped."""
     check_port(port, port_hint(port))
     lines = pages(base := f"http://{HOST}:{port}")  # also makes the store, and ends runs left RUNNING
@@ -145,7 +112,6 @@ def serve(port: int, signals: _Signals) -> None:
         code = process.wait()
         fail(f"mlflow ui stopped by itself (code {code}): {last_line(log)} (its log: {log})")
     finally:
-        signals.stopping = True
         if process is not None:
             stop(process)
 
@@ -155,17 +121,12 @@ def run() -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"the UI's port on {HOST} (default 5000)")
     args = parser.parse_args()
     uri = tracking_uri()
-    with _Signals().installed() as signals:
-        try:
-            if is_server(uri):  # a team server has its own UI: only its pages
-                print("Open these pages on the team's MLflow server (the \"Model training\" view, with the "
-                      "important columns shown):", *pages(redact_urls(uri)), sep="\n")
-            else:
-                serve(args.port, signals)
-        except _Stop as stopped:
-            print(f"stopped by {stopped}", file=sys.stderr, flush=True)
-            sys.exit(128 + stopped.signum)
+    if is_server(uri):  # a team server has its own UI: only its pages
+        print("Open these pages on the team's MLflow server (the \"Model training\" view, with the important "
+              "columns shown):", *pages(redact_urls(uri)), sep="\n")
+    else:
+        serve(args.port)
 
 
 if __name__ == "__main__":
-    main(run)
+    main(run, stopping="stopping the MLflow UI.")
