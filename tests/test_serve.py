@@ -32,6 +32,7 @@ from gat.model import NodeClassifier, model_from_state
 from gat.training import GraphTensors
 from stages.support.served_model import NodeIdError, node_ids
 from tools import serve
+from tools.local_server import free_port
 
 NODES = 1140  # synthetic Cora's (SYNTHETIC_LAYOUTS): ids 0 to 1139
 SENTENCE = ("node ids must be integers from 0 to {last} (Cora has {nodes} nodes), in a non-empty list; got {got}")
@@ -223,7 +224,7 @@ def served(champion: Champion) -> Iterator[tuple[subprocess.Popen, str, list[int
     and uvicorn), which the test checks are gone after the stop."""
     import psutil
 
-    port = serve.free_port()
+    port = free_port()
     process = subprocess.Popen([str(VENV_BIN / "python"), "-m", "tools.serve", "--port", str(port)], cwd=REPO,
                                env=champion.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

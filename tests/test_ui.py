@@ -37,6 +37,13 @@ def test_the_markdown_check_finds_a_swallowed_tag_and_stray_emphasis() -> None:
     assert markdown_problems("registered as `gat-<dataset>@champion`") == []
 
 
+def test_make_uis_hint_names_a_port_to_use() -> None:
+    from tools.ui import port_hint
+
+    assert port_hint(5000).endswith("`make ui PORT=5001`") and "stop what listens there" in port_hint(5000)
+    assert port_hint(70000) == port_hint(65535) == "use another port: `make ui PORT=5001`"
+
+
 def test_every_description_renders_as_written() -> None:
     changed = {"train.optim.lr": "<dataset>", "train.model.heads": "a*b*c", "download.base_url": "`quoted` x_y_z"}
     texts = [*DESCRIPTIONS.values(), model_description("gat-cora"),

@@ -40,9 +40,10 @@ COMPARE_MAX_RUNS = 20
 
 
 def port_hint(port: int) -> str:
-    """What to do when `port` is taken (or no port): the hint of tools.local_server.check_port's line."""
-    other = port + 1 if 1 <= port < 65535 else DEFAULT_PORT + 1
-    return f"stop what listens there (another MLflow UI?), or use another port: `make ui PORT={other}`"
+    """What to do when `port` is taken, or no port: the hint of tools.local_server.check_port's line."""
+    if not 1 <= port < 65535:
+        return f"use another port: `make ui PORT={DEFAULT_PORT + 1}`"
+    return f"stop what listens there (another MLflow UI?), or use another port: `make ui PORT={port + 1}`"
 
 
 def server_command(port: int, store_uri: str, artifacts: Path) -> list[str]:
