@@ -167,6 +167,9 @@ def log_served_model(state: bytes, graph_file: Path, dataset: str, num_nodes: in
     no_progress_bar = patch.dict(os.environ, {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"})
     with tempfile.TemporaryDirectory() as folder, no_progress_bar:
         (Path(folder) / "model.pt").write_bytes(state)
+        # The dataset's name, for the served model's error messages: a file, not `model_config`, which MLflow also
+        # logs as run params (a `dataset` param beside params.yaml's dotted keys).
+        (Path(folder) / "dataset.txt").write_text(dataset)
         # No input schema: MLflow's scoring server would cast the JSON to it (1.9 to node 1) before the model
         # sees it; served_model.node_ids checks the ids instead, and the MLmodel's metadata says what they are.
         signature = ModelSignature(inputs=None, outputs=Schema([TensorSpec(output.dtype, (-1, output.shape[1]))]))
@@ -176,8 +179,9 @@ def log_served_model(state: bytes, graph_file: Path, dataset: str, num_nodes: in
         try:
             return mlflow.pyfunc.log_model(
                 name=model_name(dataset), python_model=SERVED_MODEL, code_paths=[str(Path(gat.__file__).parent)],
-                artifacts={"model": str(Path(folder) / "model.pt"), "graph": str(graph_file)},
-                model_config={"dataset": dataset}, signature=signature, input_example=example,
+                artifacts={"model": str(Path(folder) / "model.pt"), "graph": str(graph_file),
+                           "dataset": str(Path(folder) / "dataset.txt")},
+                signature=signature, input_example=example,
                 metadata={"input": f"node ids: a non-empty list of int64 from 0 to {num_nodes - 1}"},
                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"])
         finally:

@@ -269,7 +269,7 @@ def test_changing_train_lr_reruns_only_train_evaluate_and_analyze(pipeline_copy:
     first, second = pipeline_copy.runs(TRAIN_EXPERIMENT)
     assert (first.data.params["train.optim.lr"], second.data.params["train.optim.lr"]) == ("0.005", "0.01")
     assert "test_acc" in second.data.metrics
-    assert "`train.optim.lr`: 0.01 (committed: 0.005)" in second.data.tags["mlflow.note.content"]
+    assert "`train.optim.lr`: `0.01` (committed: `0.005`)" in second.data.tags["mlflow.note.content"]
 
 
 def test_changing_one_datasets_protocol_reruns_only_its_reproduction(pipeline_copy: Pipeline) -> None:

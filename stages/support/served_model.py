@@ -1,10 +1,11 @@
 """The logged model `gat-<dataset>`, as MLflow's models-from-code loads it: node ids in, class log-probabilities out.
 
-train logs this file itself (`mlflow.pyfunc.log_model(python_model=<this file>)`) with two artifacts, the train
-stage's `model.pt` (gat.model.model_state) and preprocess's `graph.pt` (gat.data.graph_to_tensors): plain tensors,
-read back with `torch.load(weights_only=True)`, so loading the model unpickles no object, unlike MLflow's pytorch
-flavour with `serialization_format="pickle"` (its pt2 export cannot trace the sparse CSR features). MLflow runs this
-file in the loading process, with `gat/` from the model's `code/` on the path: it imports nothing from `stages`.
+train logs this file itself (`mlflow.pyfunc.log_model(python_model=<this file>)`) with three artifacts, the train
+stage's `model.pt` (gat.model.model_state), preprocess's `graph.pt` (gat.data.graph_to_tensors) and `dataset.txt`
+(the dataset's name, for the messages): plain tensors and text, read back with `torch.load(weights_only=True)`, so
+loading the model unpickles no object, unlike MLflow's pytorch flavour with `serialization_format="pickle"` (its pt2
+export cannot trace the sparse CSR features). MLflow runs this file in the loading process, with `gat/` from the
+model's `code/` on the path: it imports nothing from `stages`.
 
 The input is checked here, not by the signature: an int64 signature makes MLflow's scoring server cast the JSON
 before the model sees it (`np.array([1.9], dtype=int64)` is node 1), so a float would be truncated silently.
@@ -99,7 +100,8 @@ class ServedGAT(PythonModel):
         tensors = GraphTensors.from_graph(graph)
         self.classifier = NodeClassifier(model_from_state(state), tensors.x, tensors.neighbourhoods)
         self.num_nodes = graph.num_nodes
-        self.dataset = str((context.model_config or {}).get("dataset", "the graph"))
+        with open(context.artifacts["dataset"]) as name:
+            self.dataset = name.read().strip()
 
     def predict(self, context, model_input: np.ndarray, params: dict[str, Any] | None = None) -> np.ndarray:
         ids = node_ids(model_input, self.num_nodes, self.dataset)
