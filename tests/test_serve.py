@@ -184,7 +184,7 @@ def test_the_loaded_model_equals_the_trained_model_bit_for_bit(champion: Champio
     assert info.metadata == {"input": f"node ids: a non-empty list of int64 from 0 to {NODES - 1}"}
     # What was logged is tensor files and code: nothing in the model is a pickled object.
     local = Path(mlflow.artifacts.download_artifacts(run["model_uri"], dst_path=str(champion.root / "model")))
-    assert sorted(path.name for path in (local / "artifacts").iterdir()) == ["graph.pt", "model.pt"]
+    assert sorted(path.name for path in (local / "artifacts").iterdir()) == ["dataset.txt", "graph.pt", "model.pt"]
     assert not list(local.rglob("*.pkl")) and not list(local.rglob("*.pth"))
 
 
