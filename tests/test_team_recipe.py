@@ -180,7 +180,7 @@ def test_two_people_follow_the_readme_recipe(team_recipe_folder: Path, planetoid
     rerun = bob.run("dvc repro", timeout=RECIPE_S)
     assert rerun is not None and ran(rerun) == [], rerun.stdout
     (loaded,) = [done for command, done in said.items() if command.startswith("Bob: python -c")]
-    assert loaded.stdout.startswith("NodeClassifier(") and "GAT(" in loaded.stdout, loaded.stdout
+    assert re.fullmatch(r"\[\d+ \d+\]", loaded.stdout.strip()), loaded.stdout  # two nodes' predicted classes
 
     # Both: the server's pages, and the login a browser asks for (it answers 401 with a Basic challenge).
     for name in ("Alice", "Bob"):
