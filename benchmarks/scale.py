@@ -73,7 +73,8 @@ def _run(command: Sequence[str], root: Path, env: dict[str, str]) -> float:
     return elapsed
 
 
-def _set_params(root: Path, **dotted: Any) -> None:
+def set_params(root: Path, **dotted: Any) -> None:
+    """Set params.yaml's values at `root` by dotted key (`train.optim.lr=0.01`), everything else as it was."""
     params = yaml.safe_load((root / "params.yaml").read_text())
     for key, value in dotted.items():
         *parents, leaf = key.split(".")
@@ -87,7 +88,7 @@ def _set_params(root: Path, **dotted: Any) -> None:
 def prepare(root: Path, data_dir: Path, seeds: int) -> dict[str, str]:
     """A scratch workspace with the repository's params (`seeds` seeds) and Cora prepared by its stage."""
     shutil.copy(REPO_ROOT / "params.yaml", root / "params.yaml")
-    _set_params(root, **{"reproduce.seeds": seeds, "reproduce.first_seed": 0})
+    set_params(root, **{"reproduce.seeds": seeds, "reproduce.first_seed": 0})
     env = _environment(root)
     python = sys.executable
     _run([python, "-m", "tools.init_store"], root, env)
@@ -146,7 +147,7 @@ def measure(args: argparse.Namespace) -> dict:
         outputs: dict[str, bytes] = {}
         for round_ in range(args.rounds):
             for name, (executor, workers) in SETTINGS.items():
-                _set_params(root, **{"reproduce.executor": executor, "reproduce.workers": workers})
+                set_params(root, **{"reproduce.executor": executor, "reproduce.workers": workers})
                 out = root / "out" / f"{name}-{round_}"
                 elapsed = _run([sys.executable, "-m", "stages.reproduce", "--dataset", DATASET, "--data",
                                 f"data/prepared/{DATASET}", "--out", str(out)], root, env)

@@ -26,6 +26,7 @@ import yaml
 from conftest import PlanetoidFolder, serving
 from mlflow.tracking import MlflowClient
 
+from benchmarks.scale import set_params
 from gat.config import Params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,18 +95,6 @@ class Pipeline:
                         db.execute(f'UPDATE "{table}" SET "{column[1]}" = replace("{column[1]}", ?, ?)',
                                    (str(self.root), str(root)))
         return Pipeline(root, dict(self.env))
-
-
-def set_params(root: Path, **dotted: object) -> None:
-    """Set params.yaml's values at `root` by dotted key (`train.optim.lr=0.01`), everything else as it was."""
-    params = yaml.safe_load((root / "params.yaml").read_text())
-    for key, value in dotted.items():
-        *parents, leaf = key.split(".")
-        section = params
-        for name in parents:
-            section = section[name]
-        section[leaf] = value
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
 def ran(result: subprocess.CompletedProcess) -> list[str]:
