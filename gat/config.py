@@ -118,6 +118,11 @@ class ModelConfig:
     output_heads: int
     dropout: float
     leaky_relu_negative_slope: float
+    # How a node weighs its neighbours: `gat`, the paper's e_ij = LeakyReLU(a^T [W h_i || W h_j]); `gatv2`, Brody et
+    # al. 2022's dynamic e_ij = a^T LeakyReLU(W_t h_i + W_s h_j); `constant`, every neighbour equally (the ablation's
+    # control). params.yaml must set it; code that builds a ModelConfig itself, or loads a checkpoint older than the
+    # key, gets the paper's.
+    attention: Literal["gat", "gatv2", "constant"] = "gat"
 
     def validate(self, p: str) -> None:
         _in_range(self.hidden_features, f"{p}.hidden_features", 1, 4096)
