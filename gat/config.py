@@ -238,6 +238,38 @@ class ReproduceParams:
                    f"is not a dataset; the datasets are: {', '.join(DATASETS)}")
 
 
+# The attention variants of ModelConfig.attention, in the order the ablation reports them: the paper's first, the
+# baseline every difference is to.
+ATTENTION_VARIANTS: tuple[str, ...] = typing.get_args(typing.get_type_hints(ModelConfig)["attention"])
+BASELINE_ATTENTION = "gat"
+
+
+@dataclass(frozen=True)
+class AblationParams:
+    """The attention ablation (`python -m stages.ablation`, not a DVC stage): `seeds` seeds from `first_seed` of each
+    of `variants` on each of `datasets`, each with that dataset's `reproduce.protocol` block and its
+    `model.attention` replaced; the batches run as the reproduce stage's do (`reproduce.executor`, `workers`,
+    `seeds_per_batch`, `device`). Every variant is compared with `gat` on the same seeds, so `gat` must be run.
+    """
+
+    datasets: tuple[str, ...]
+    variants: tuple[Literal["gat", "gatv2", "constant"], ...]
+    seeds: int
+    first_seed: int
+
+    def validate(self, p: str) -> None:
+        _check(len(self.datasets) > 0, f"{p}.datasets", "must list at least one dataset")
+        for i, name in enumerate(self.datasets):
+            _check(name in DATASETS, f"{p}.datasets[{i}]", f"must be one of {', '.join(DATASETS)}, got {name!r}")
+        _check(len(set(self.datasets)) == len(self.datasets), f"{p}.datasets", "lists a dataset twice")
+        _check(BASELINE_ATTENTION in self.variants, f"{p}.variants",
+               f"must include `{BASELINE_ATTENTION}`, the baseline every variant is compared with, got "
+               f"{list(self.variants)}")
+        _check(len(set(self.variants)) == len(self.variants), f"{p}.variants", "lists a variant twice")
+        _in_range(self.seeds, f"{p}.seeds", 2, 100_000)  # a spread needs two
+        _in_range(self.first_seed, f"{p}.first_seed", 0, 2**62)
+
+
 @dataclass(frozen=True)
 class AnalyzeParams:
     """The analyze stage's pictures of the trained model: which test nodes to draw, and the t-SNE map's settings."""
@@ -264,6 +296,7 @@ class Params:
     train: TrainParams
     reproduce: ReproduceParams
     analyze: AnalyzeParams
+    ablation: AblationParams
 
     def validate(self, p: str) -> None:
         _check(len(self.datasets) > 0, "datasets", "must list at least one dataset")
@@ -275,6 +308,10 @@ class Params:
         for name in self.datasets:
             _check(name in self.reproduce.protocol, f"reproduce.protocol.{name}",
                    "is missing: every dataset in `datasets` needs its {model, optim} block")
+        for i, name in enumerate(self.ablation.datasets):
+            _check(name in self.reproduce.protocol, f"ablation.datasets[{i}]",
+                   f"is {name!r}, which has no `reproduce.protocol.{name}` block: the ablation runs each dataset's "
+                   "protocol; add the block, or drop the dataset")
 
     @classmethod
     def from_dict(cls, raw: Any) -> "Params":

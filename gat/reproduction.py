@@ -6,7 +6,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 from scipy import stats
@@ -34,6 +34,40 @@ def summarise(values: Sequence[float], confidence: float = 0.95) -> Summary:
     half_width = float(stats.t.ppf(0.5 + confidence / 2, df=x.size - 1)) * std / math.sqrt(x.size)
     figures = (mean, std, float(x.min()), float(x.max()), mean - half_width, mean + half_width)
     return Summary(int(x.size), *(_without_float_noise(value) for value in figures))
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """A variant's per-seed values minus the baseline's on the same seeds: their mean, sample std and paired t
+    interval (Student's t with n - 1 degrees of freedom on the n differences), and the sign count: on how many
+    seeds the variant was better, worse, or tied."""
+
+    n: int
+    mean: float
+    std: float
+    ci_low: float
+    ci_high: float
+    better: int
+    worse: int
+    tied: int
+
+
+def paired_difference(values: Mapping[int, float], baseline: Mapping[int, float],
+                      confidence: float = 0.95) -> PairedDifference:
+    """`values` minus `baseline`, paired by seed (both map seed -> value, over the same seeds).
+
+    Pairing removes what a seed shares across variants (its split of luck in initialisation and dropout), so
+    the interval is that of the mean difference itself, narrower than the two means' intervals suggest when the
+    seeds' results correlate.
+    """
+    if set(values) != set(baseline):
+        raise ValueError(f"pairing needs the same seeds: {sorted(set(values) ^ set(baseline))} are in one only")
+    seeds = sorted(values)
+    differences = np.asarray([values[s] for s in seeds], np.float64) - np.asarray([baseline[s] for s in seeds])
+    spread = summarise(differences.tolist(), confidence)
+    better, worse = int((differences > 0).sum()), int((differences < 0).sum())
+    return PairedDifference(spread.n, spread.mean, spread.std, spread.ci_low, spread.ci_high, better, worse,
+                            spread.n - better - worse)
 
 
 def _without_float_noise(value: float) -> float:

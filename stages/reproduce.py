@@ -9,104 +9,31 @@ one child run per seed, tagged with where it ran.
 
 The batches of seeds run on `reproduce.executor`: `local` worker processes (stages.support.local_pool) or a Dask
 cluster (stages.support.dask_pool). Either way a batch is one pure task
-(stages.support.seed_task.train_seed_batch) and only this
+(stages.support.seed_task.train_seed_batch, gathered by stages.support.seed_pool) and only this
 process logs, once every batch is in: the outputs are byte-identical whichever way, and wherever, it ran.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import mlflow
-import torch
 
-from gat.config import Setup
 from gat.data import graph_to_tensors
 from gat.datasets import DATASETS
 from gat.reproduction import correct_answers, histogram, summarise
-from gat.seeds import BatchResult
-from gat.training import planned_kernel
 from stages.support.files import load_prepared, outputs_together, write_csv, write_json
 from stages.support.interrupts import main
-from stages.support.local_pool import WorkerPool, worker_pool
+from stages.support.local_pool import WorkerPool
 from stages.support.params import ArgumentParser, device_for, fail, load_params
 from stages.support.progress import Progress
+from stages.support.seed_pool import check_same_code, gather, starting_pool
 from stages.support.seed_task import code_sha256
-from stages.support.seed_task import train_seed_batch as train_seeds
 from stages.support.store import NOTE, REPRODUCE_EXPERIMENT
 from stages.support.tables import dataset_section, histogram_bins, histogram_figure, metrics
 from stages.support.tracking import describe_run, log_child_runs, logged_params, stage_run, standard_tags
-
-if TYPE_CHECKING:
-    from stages.support.dask_pool import DaskPool
-
-
-@contextlib.contextmanager
-def _starting_pool(executor: str, workers: int, device: torch.device
-                   ) -> Iterator[Callable[[], "WorkerPool | DaskPool"]]:
-    """A function that returns the executor's pool of workers; `workers` 0 is one per core, and one GPU serves one
-    process. A Dask LocalCluster starts as the block begins, so that its workers' start overlaps the stage's
-    set-up (stages.support.dask_pool.StartingPool); local workers start with their first batch, in the thread that
-    asks."""
-    if device.type == "cuda":
-        workers = 1
-    if executor == "dask":
-        from stages.support.dask_pool import starting_dask_pool  # Dask is imported only when it is asked for
-
-        with starting_dask_pool(workers) as starting:
-            yield starting.pool
-        return
-    yield lambda: worker_pool(workers or os.cpu_count() or 1)
-
-
-def _gather(pool: "WorkerPool | DaskPool", graph_tensors: dict, setup: Setup, batches: Sequence[list[int]],
-            device: torch.device, progress: Progress) -> list[BatchResult]:
-    """Every batch's result, in the order of the batches, whatever order they finished in."""
-    results: dict[int, BatchResult] = {}
-    # What this process would train with (gat.training.planned_kernel): every worker must have trained with it.
-    here = planned_kernel(setup.model, setup.optim, int(graph_tensors["num_classes"]), device)
-    for index, result in pool.as_completed(train_seeds, graph_tensors, [(setup, batch, device) for batch in batches]):
-        _check_kernel(result, here)  # at the first batch of another kernel: the tasks left are cancelled
-        if index not in results:  # each batch once, even if a pool ever handed one back twice
-            results[index] = result
-            progress.update(len(result.rows))
-    return [results[index] for index in range(len(batches))]
-
-
-def _where(result: BatchResult) -> str:
-    """The worker that ran a batch, as a user can find it: its Dask address, else its host and process id."""
-    facts = result.worker
-    return f"{facts.get('worker_address') or facts['worker_host']} (pid {facts['worker_pid']})"
-
-
-def _check_kernel(result: BatchResult, here: str) -> None:
-    """Fail when a worker trained with another kernel than this stage process would: one that cannot build, load or
-    self-check the fused kernel falls back to the torch one, which rounds differently, so its seeds would give other
-    weights than the same seeds here, and the results would be of no one kernel. A fallback that every process
-    shares (this machine has no compiler) is no mix: training says so once, and the parent run's tag shows it."""
-    used = result.worker["training_kernel"]
-    if used != here:
-        fail(f"the worker {_where(result)} trained with {used}, but this stage trains with {here}: a mix of kernels "
-             "gives results of no one kernel; make that worker's kernel match (see its reason), or set `kernel: torch` "
-             "in the dataset's `reproduce.protocol` block.")
-
-
-def _check_same_code(results: Sequence[BatchResult] | dict[str, str]) -> None:
-    """Fail when a worker ran other training code than this process has (a Dask worker of another checkout)."""
-    here = code_sha256()
-    found = (results.items() if isinstance(results, dict) else
-             ((_where(r), r.worker["code_sha256"]) for r in results))
-    stale = sorted({worker for worker, digest in found if digest != here})
-    if stale:
-        fail(f"the worker(s) {', '.join(stale)} ran other code than this stage started with (gat/ or "
-             "gat/seeds.py differ, or were edited during the run): rerun it; Dask workers must run this "
-             "checkout, with the same pinned requirements (see the README's multi-host section).")
-
 
 def run() -> None:
     parser = ArgumentParser(description=__doc__)
@@ -122,7 +49,7 @@ def run() -> None:
     setup = settings.protocol[args.dataset]
     device = device_for(settings.device, "reproduce.device")
     graph, meta = load_prepared(args.data, args.dataset)
-    code_sha256()  # the training code as this run starts, which every worker must run too (_check_same_code)
+    code_sha256()  # the training code as this run starts, which every worker must run too (check_same_code)
     seeds = list(range(settings.first_seed, settings.first_seed + settings.seeds))
     batches = [seeds[i:i + settings.seeds_per_batch] for i in range(0, len(seeds), settings.seeds_per_batch)]
 
@@ -132,7 +59,7 @@ def run() -> None:
         f"{len(seeds)} independent seeds of GAT on {args.dataset} (seeds {seeds[0]} to {seeds[-1]}), the paper's "
         "protocol: the metrics are the mean, std, range and 95% CI over the seeds; one child run per seed.", logged)}
     # A LocalCluster starts now, while MLflow opens the run.
-    with _starting_pool(settings.executor, settings.workers, device) as pool_when_ready, \
+    with starting_pool(settings.executor, settings.workers, device) as pool_when_ready, \
             stage_run(REPRODUCE_EXPERIMENT, f"{args.dataset}-{len(seeds)}-seeds", parent_tags) as parent:
         mlflow.log_params(logged)
         # Local workers die with the stage and are killed at once on SIGTERM, Ctrl-C or an error
@@ -144,12 +71,12 @@ def run() -> None:
             run_tags = {"workers_resolved": str(pool.size)}
             if not isinstance(pool, WorkerPool):
                 progress.write(f"reproduce {args.dataset}: on {pool.describe()}")  # above the bar
-                _check_same_code(pool.run_on_workers(code_sha256))
+                check_same_code(pool.run_on_workers(code_sha256))
                 run_tags["dask_scheduler"] = pool.address
             mlflow.set_tags(run_tags)
             # Plain tensors travel to the workers; torch's pickling of sparse ones warns on every batch.
-            results = _gather(pool, graph_to_tensors(graph), setup, batches, device, progress)
-        _check_same_code(results)
+            results = gather(pool, graph_to_tensors(graph), [(setup, batch) for batch in batches], device, progress)
+        check_same_code(results)
         rows = [row for result in results for row in result.rows]
         if [row["seed"] for row in rows] != seeds:
             fail(f"the workers returned seeds {[row['seed'] for row in rows]}, not {seeds}: a bug, please report it.")

@@ -231,7 +231,7 @@ def test_the_ui_prints_its_pages_once_they_answer_and_sigterm_stops_it_all(tiny_
         lines = _read_until(ui, "Ctrl-C stops")
         # Asked at once: every printed page answers, and MLflow's API behind it.
         pages = [line.split(": ", 1)[1] for line in lines if line.startswith("  ")]
-        assert len(pages) == 5, lines  # four experiments and the training charts: no reproduction to compare
+        assert len(pages) == 6, lines  # five experiments and the training charts: no reproduction to compare
         for page in pages:
             assert page.startswith(f"http://127.0.0.1:{port}/#/") and "workflowType=machine_learning" in page
             assert requests.get(page.partition("#")[0], timeout=30).status_code == 200

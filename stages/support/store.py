@@ -34,7 +34,11 @@ TRAIN_EXPERIMENT = "gat-repro"
 DATA_EXPERIMENT = "gat-repro-data"
 REPRODUCE_EXPERIMENT = "gat-repro-reproduce"
 COMPARE_EXPERIMENT = "gat-repro-compare"
-EXPERIMENTS = (TRAIN_EXPERIMENT, REPRODUCE_EXPERIMENT, DATA_EXPERIMENT, COMPARE_EXPERIMENT)
+ABLATION_EXPERIMENT = "gat-repro-ablation"
+EXPERIMENTS = (TRAIN_EXPERIMENT, REPRODUCE_EXPERIMENT, DATA_EXPERIMENT, COMPARE_EXPERIMENT, ABLATION_EXPERIMENT)
+# The tag that tells the ablation's three levels of runs apart: `invocation` (one per `make ablation`, with the
+# report), `cell` (a dataset and attention variant, with its summary), `seed` (one seed of a cell).
+ABLATION_LEVEL = "ablation_level"
 
 # What each experiment holds: its description in the UI (the `mlflow.note.content` tag).
 DESCRIPTIONS = {
@@ -47,6 +51,10 @@ DESCRIPTIONS = {
     COMPARE_EXPERIMENT: "One run per `python -m tools.compare` (`make compare`): every reproduced configuration's "
                         "mean test accuracy with its 95% CI, per dataset, as a table (compare.md) and a plot "
                         "(compare.png), read from the gat-repro-reproduce parents.",
+    ABLATION_EXPERIMENT: "Does attention matter? One parent run per `make ablation` (`python -m stages.ablation`), "
+                         "with the report (ablation.md) and its picture; under it one run per dataset and attention "
+                         "variant (tags dataset, variant, training_kernel; ablation_level = cell) with the mean, std "
+                         "and 95% CI of test accuracy and the paired difference to gat; under each, one run per seed.",
     REPRODUCE_EXPERIMENT: "The paper's table: one parent run per dataset and reproduction config, with the mean, "
                           "std and 95% CI of test accuracy over the seeds and the report; one child run per seed.",
 }
@@ -80,6 +88,14 @@ VIEWS = {
         *(f"metrics.`{m}`" for m in ("test_acc_mean", "test_acc_std", "test_acc_ci95_low", "test_acc_ci95_high",
                                      "val_acc_mean", "epochs_mean", "seeds")),
         "params.`reproduce.seeds`", "tags.`dataset`", "tags.`dvc_exp_name`"]},
+    # The (dataset, variant) cells only, side by side: MLflow's table lists nested runs flat once filtered.
+    ABLATION_EXPERIMENT: {"searchFilter": f"tags.`{ABLATION_LEVEL}` = 'cell'", "orderByKey": "attributes.start_time",
+                          "orderByAsc": False, "selectedColumns": [
+        "tags.`dataset`", "tags.`variant`",
+        *(f"metrics.`{m}`" for m in ("test_acc_mean", "test_acc_std", "test_acc_ci95_low", "test_acc_ci95_high",
+                                     "diff_to_gat_mean", "diff_to_gat_ci95_low", "diff_to_gat_ci95_high",
+                                     "seeds_better_than_gat", "seeds_worse_than_gat", "seeds")),
+        "tags.`training_kernel`", "tags.`cached`"]},
     COMPARE_EXPERIMENT: {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": [
         "metrics.`configurations`", "metrics.`runs`", "params.`varied`", "params.`dvc_experiments`"]},
     DATA_EXPERIMENT: {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": [
