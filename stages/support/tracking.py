@@ -33,9 +33,11 @@ def data_digest(checksums: Mapping[str, str]) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
-def git_commit() -> str:
+def git_commit(folder: str | os.PathLike | None = None) -> str:
+    """The commit checked out in `folder` (default: the working directory), or "unknown"."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=folder).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -214,6 +216,9 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "train": ("datasets", "download", "preprocess", "train"),
     "reproduce": ("reproduce.seeds", "reproduce.first_seed", "reproduce.seeds_per_batch", "reproduce.workers",
                   "reproduce.executor", "reproduce.device", "reproduce.protocol.{dataset}"),
+    # Not a DVC stage: python -m stages.ablation, which runs reproduce's protocols and executor.
+    "ablation": ("ablation", "reproduce.seeds_per_batch", "reproduce.workers", "reproduce.executor",
+                 "reproduce.device", "reproduce.protocol"),
 }
 
 
