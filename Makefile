@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DVC_NO_ANALYTICS := 1
 PIP_INSTALL := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: repro test test-all lint ui serve exps bench bench-team bench-scale compare figures constraints clean team-up team-down team-status team-remote team-repro system-deps
+.PHONY: repro test test-all lint ui serve exps bench bench-team bench-scale compare ablation figures constraints clean team-up team-down team-status team-remote team-repro system-deps
 
 # The project itself is installed in editable mode (pyproject.toml): the venv's python imports gat, stages and tools
 # from any folder, with no PYTHONPATH.
@@ -119,6 +119,12 @@ exps: $(VENV)/.runtime
 ## compare: one table and plot of every reproduced configuration (dvc exp sweeps), from MLflow
 compare: $(VENV)/.runtime
 	$(RUN) $(BIN)/python -m tools.compare --markdown reports/compare.md --plot reports/compare.png
+
+## ablation: does attention matter? Every `ablation.variants` on `ablation.seeds` seeds of each `ablation.datasets`
+## (tens of minutes; not part of `make repro`, whose data/prepared it reads): reports/ablation.md and .png, MLflow's
+## gat-repro-ablation; finished seeds are cached in data/ablation/, so a rerun trains only what is missing or changed
+ablation: $(VENV)/.runtime $(VENV)/.fused
+	$(RUN) $(BIN)/python -m stages.ablation --data data/prepared --cache data/ablation --report reports/ablation.md --plot reports/ablation.png
 
 ## bench-scale: reproduce@cora's 100 seeds on the local executor and on Dask LocalClusters of 2 and 1 workers
 bench-scale: $(VENV)/.dev

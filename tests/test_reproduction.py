@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import numpy as np
 import pytest
 
 from gat.datasets import DATASETS
-from gat.reproduction import correct_answers, histogram, summarise
+from gat.reproduction import correct_answers, histogram, paired_difference, summarise
 
 
 def test_summary_of_known_numbers() -> None:
@@ -21,6 +22,40 @@ def test_summary_of_known_numbers() -> None:
     half_width = 4.302653 * 0.02 / math.sqrt(3)
     assert summary.ci_low == pytest.approx(0.82 - half_width, abs=1e-6)
     assert summary.ci_high == pytest.approx(0.82 + half_width, abs=1e-6)
+
+
+def test_paired_difference_is_the_t_interval_of_the_per_seed_differences() -> None:
+    """Seeds 0-3: the variant minus gat is +0.01, -0.00, +0.02, +0.03 (seed 1 tied); worked out by hand."""
+    gat = {0: 0.80, 1: 0.83, 2: 0.81, 3: 0.82}
+    variant = {3: 0.85, 0: 0.81, 2: 0.83, 1: 0.83}  # any order: paired by the seed, not the position
+    d = paired_difference(variant, gat)
+    assert (d.n, d.better, d.worse, d.tied) == (4, 3, 0, 1)
+    assert d.mean == pytest.approx(0.015)
+    std = math.sqrt((0.005**2 + 0.015**2 + 0.005**2 + 0.015**2) / 3)
+    assert d.std == pytest.approx(std)
+    half_width = 3.182446 * std / 2  # Student's t, 3 degrees of freedom, 97.5th percentile; sqrt(4) seeds
+    assert (d.ci_low, d.ci_high) == (pytest.approx(0.015 - half_width, abs=1e-6),
+                                     pytest.approx(0.015 + half_width, abs=1e-6))
+
+
+def test_paired_difference_agrees_with_scipys_paired_t_test() -> None:
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    gat = {seed: 0.83 + 0.007 * rng.standard_normal() for seed in range(100)}
+    # Correlated with gat seed by seed, as two variants on the same seed are: pairing narrows the interval.
+    variant = {seed: value - 0.002 + 0.002 * rng.standard_normal() for seed, value in gat.items()}
+    d = paired_difference(variant, gat)
+    interval = stats.ttest_rel(list(variant.values()), list(gat.values())).confidence_interval(0.95)
+    assert (d.ci_low, d.ci_high) == (pytest.approx(interval.low, abs=1e-9), pytest.approx(interval.high, abs=1e-9))
+    unpaired = summarise(list(variant.values()))
+    assert d.ci_high - d.ci_low < (unpaired.ci_high - unpaired.ci_low) / 2
+    assert d.better + d.worse + d.tied == 100 and d.worse > d.better
+
+
+def test_paired_difference_needs_the_same_seeds() -> None:
+    with pytest.raises(ValueError, match=r"pairing needs the same seeds: \[2\] are in one only"):
+        paired_difference({0: 0.8, 1: 0.8}, {0: 0.8, 1: 0.8, 2: 0.8})
 
 
 def test_confidence_interval_narrows_with_more_seeds() -> None:
