@@ -145,15 +145,23 @@ MEMORY_BASE = 500 * 2**20
 
 
 def training_memory_bytes(config: ModelConfig, num_nodes: int, num_features: int, num_classes: int,
-                          replicas: int = 1) -> int:
+                          replicas: int = 1, *, num_edges: int = 0) -> int:
     """About how much memory training `replicas` GATs of `config` on a graph of these sizes needs, at its peak.
 
     The first layer dominates: heads x hidden_features columns of `num_features` weights and of `num_nodes`
     activations, per replica; the output layer adds heads x hidden_features x classes x output_heads weights.
+    `gatv2` has a second projection W_t of each layer's size, and a tensor of every edge's features (the
+    LeakyReLU of t_i + g_j) where the others have a score per node: `num_edges` (E without the self-loops,
+    which are added here) sizes it, and only gatv2's estimate reads it. `constant` is counted as `gat`
+    (it has no attention vectors, a few hundred weights).
     """
     hidden = config.heads * config.hidden_features
-    weights = hidden * (num_features + 2) + config.output_heads * num_classes * (hidden + 2)
-    activations = num_nodes * (hidden + config.output_heads * num_classes)
+    outputs = config.output_heads * num_classes
+    weights = hidden * (num_features + 2) + outputs * (hidden + 2)
+    activations = num_nodes * (hidden + outputs)
+    if config.attention == "gatv2":
+        weights += hidden * num_features + outputs * hidden
+        activations += (num_edges + num_nodes) * (hidden + outputs)
     return int(MEMORY_BASE + replicas * (MEMORY_PER_WEIGHT * weights + MEMORY_PER_ACTIVATION * activations))
 
 
