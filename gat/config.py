@@ -109,6 +109,9 @@ class PreprocessParams:
             _in_range(getattr(self, name), f"{p}.{name}", 1, 1_000_000)
 
 
+Attention = Literal["gat", "gatv2", "constant"]  # model.attention's values (gat.layers.LAYERS implements each)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The paper's two-layer GAT: `heads` x `hidden_features`, concatenated, then `output_heads` averaged."""
@@ -122,7 +125,7 @@ class ModelConfig:
     # al. 2022's dynamic e_ij = a^T LeakyReLU(W_t h_i + W_s h_j); `constant`, every neighbour equally (the ablation's
     # control). params.yaml must set it; code that builds a ModelConfig itself, or loads a checkpoint older than the
     # key, gets the paper's.
-    attention: Literal["gat", "gatv2", "constant"] = "gat"
+    attention: Attention = "gat"
 
     def validate(self, p: str) -> None:
         _in_range(self.hidden_features, f"{p}.hidden_features", 1, 4096)
