@@ -19,6 +19,10 @@ The implementations:
 - `pyg`: `torch_geometric.nn.GATConv` in the architecture of PyG's `examples/gat.py`, on the
   whole graph with dense row-normalised features; at one and at two intra-op threads. The
   faster of the two is the reference the ratios are taken against.
+- the attention variants: `engine_gatv2` and `engine_constant` are the `engine` row with `model.attention`
+  gatv2 and constant (the torch kernel, which alone serves them), and `pyg_gatv2_<T>t` is the `pyg` model with
+  `GATv2Conv` in place of `GATConv`; the report's `attention_variants` gives each variant's train step and eval
+  pass as ratios to both PyG layers.
 - `dense`: the tutorial's `GraphAttentionLayer` (gat/dense_reference.py), O(N²·H) memory;
   on the whole graph when its estimated peak fits in the available memory, else on an
   induced subgraph (the output says which).
@@ -54,7 +58,8 @@ import psutil
 
 from benchmarks.data import DOWNLOADED_DATA_DIR, REPO_ROOT, SHARED_DATA_DIR, default_data_dir, load_graph
 from benchmarks.implementations import dense_node_count, dense_peak_bytes
-from benchmarks.report import FUSED_TARGETS, add_ratios, build_report, check_targets, format_table, machine, summarise
+from benchmarks.report import (FUSED_TARGETS, add_ratios, attention_variants, build_report, check_targets,
+                               format_table, machine, summarise)
 from benchmarks.throughput import reproduce_throughput
 from benchmarks.timing import baseline_rss_mb, cases, measure, peak_of
 from stages.support.files import write_json
@@ -136,6 +141,7 @@ def run(args: argparse.Namespace) -> dict:
     extra = {"command": " ".join(["python", "-m", "benchmarks.engine", *args.argv]),
              "fused_targets": check_targets(entries["fused"], FUSED_TARGETS),
              "fused_batched_targets": check_targets(entries["fused_batched"], FUSED_TARGETS),
+             "attention_variants": attention_variants(entries),
              "reproduce_throughput": throughput,
              "other_processes_cpu_share_during_timing": others,
              "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],

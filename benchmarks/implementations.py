@@ -1,8 +1,10 @@
-"""The three implementations the benchmark times, built and ready: this engine (torch and fused kernels),
-PyTorch Geometric's GATConv and the annotated tutorial's dense layer, each in the paper's Cora setup."""
+"""The three implementations the benchmark times, built and ready: this engine (torch and fused kernels, and its
+attention variants), PyTorch Geometric's GATConv (and GATv2Conv) and the annotated tutorial's dense layer, each in
+the paper's Cora setup."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -13,6 +15,7 @@ from torch import Tensor, nn
 
 from benchmarks.data import protocol
 from gat import dense_reference, fused
+from gat.config import Attention
 from gat.data import Graph
 from gat.dropout import ReplicaDropout
 from gat.graph import Neighbourhoods
@@ -36,15 +39,17 @@ class Runner:
     eval_pass: Callable[[], tuple[Tensor, Tensor]]
 
 
-def build_engine(graph: Graph, seeds: Sequence[int] = (0,), per_epoch_validation: bool = False) -> Runner:
+def build_engine(graph: Graph, seeds: Sequence[int] = (0,), per_epoch_validation: bool = False,
+                 attention: Attention = "gat") -> Runner:
     """`gat.model.GAT`, one replica per seed: trained by `gat.training.train`'s step, measured by its `evaluate`.
 
     With `per_epoch_validation`, the eval pass is instead the validation pass that `train` runs after every
-    step: eval mode, no autograd, on the validation nodes' receptive field only.
+    step: eval mode, no autograd, on the validation nodes' receptive field only. `attention` is model.attention.
     """
     paper = protocol()
     tensors = GraphTensors.from_graph(graph)
-    model = GAT(paper.model, tensors.x.num_features, tensors.num_classes, seeds)
+    config = dataclasses.replace(paper.model, attention=attention)
+    model = GAT(config, tensors.x.num_features, tensors.num_classes, seeds)
     noise = ReplicaDropout(seeds, paper.model.dropout)
     optimiser = torch.optim.Adam(model.parameters(), lr=paper.optim.lr, weight_decay=paper.optim.weight_decay)
     train_view = NodeView.of(tensors, tensors.train_idx, model.n_layers)
@@ -87,20 +92,24 @@ def build_fused(graph: Graph, seeds: Sequence[int] = (0,)) -> Runner:
 class PygGAT(nn.Module):
     """PyG's examples/gat.py: dropout, GATConv(F_in, 8, heads=8), ELU, dropout, GATConv(64, C, heads=1).
 
+    `conv` "GATv2Conv" puts PyG's GATv2 layer (its defaults: separate source and target projections) in
+    both places, the architecture of this engine's `model.attention: gatv2`.
+
     Shapes: x: [N, F_in] dense, edge_index: [2, E] without self-loops (GATConv adds them) -> [N, C]
     """
 
-    def __init__(self, in_features: int, num_classes: int):
+    def __init__(self, in_features: int, num_classes: int, conv: str = "GATConv"):
         super().__init__()
         # Imported here, so that the other implementations' peak-RSS processes do not load PyG.
-        from torch_geometric.nn import GATConv
+        import torch_geometric.nn
 
+        Conv = getattr(torch_geometric.nn, conv)
         paper = protocol().model
         self.p = paper.dropout
-        self.conv1 = GATConv(in_features, paper.hidden_features, heads=paper.heads, dropout=self.p,
-                             negative_slope=paper.leaky_relu_negative_slope)
-        self.conv2 = GATConv(paper.hidden_features * paper.heads, num_classes, heads=paper.output_heads,
-                             concat=False, dropout=self.p, negative_slope=paper.leaky_relu_negative_slope)
+        self.conv1 = Conv(in_features, paper.hidden_features, heads=paper.heads, dropout=self.p,
+                          negative_slope=paper.leaky_relu_negative_slope)
+        self.conv2 = Conv(paper.hidden_features * paper.heads, num_classes, heads=paper.output_heads,
+                          concat=False, dropout=self.p, negative_slope=paper.leaky_relu_negative_slope)
 
     def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
         x = F.dropout(x, p=self.p, training=self.training)
@@ -109,11 +118,12 @@ class PygGAT(nn.Module):
         return self.conv2(x, edge_index)
 
 
-def build_pyg(graph: Graph, seed: int = 0) -> Runner:
-    """PyG's GAT on the whole graph: the loss on the training nodes, the evaluation a whole-graph forward pass."""
+def build_pyg(graph: Graph, seed: int = 0, conv: str = "GATConv") -> Runner:
+    """PyG's GAT (`conv`: GATConv or GATv2Conv) on the whole graph: the loss on the training nodes, the evaluation
+    a whole-graph forward pass."""
     torch.manual_seed(seed)
     x = graph.features.to_dense()  # already row-normalised, as PyG's NormalizeFeatures makes it
-    model = PygGAT(graph.num_features, graph.num_classes)
+    model = PygGAT(graph.num_features, graph.num_classes, conv)
     return whole_graph_runner(model, (x, graph.edge_index), graph.labels, graph.train_idx, graph.val_idx)
 
 

@@ -10,7 +10,7 @@ import psutil
 import torch
 
 from benchmarks.data import DATASET, protocol
-from benchmarks.timing import BURST, DEFAULT_THREADS, Case, Samples, percentile
+from benchmarks.timing import ATTENTION_VARIANTS, BURST, DEFAULT_THREADS, Case, Samples, percentile
 from gat.data import Graph
 from stages.support.seed_task import worker_facts
 
@@ -72,6 +72,25 @@ def add_ratios(entries: dict[str, dict], listed: Sequence[Case]) -> str:
             ratio = _ratio(entry[f"{name}_ms"], reference[f"{name}_ms"])
             entry[f"{name}_vs_pyg"] = ratio if case.full_graph else None
     return best.key
+
+
+def attention_variants(entries: Mapping[str, dict]) -> dict:
+    """Each model.attention variant's per-step cost on this engine (1 seed, the torch kernel: the rows `engine`,
+    `engine_gatv2`, `engine_constant`) as ratios to the same run's PyG GATConv and GATv2Conv, each PyG layer at its
+    faster thread count on the training step."""
+    def fastest(keys: list[str]) -> str:
+        return min(keys, key=lambda key: entries[key]["train_step_ms"])
+
+    gatv2conv = fastest([key for key in entries if key.startswith("pyg_gatv2_")])
+    gatconv = fastest([key for key in entries if key.startswith("pyg_") and not key.startswith("pyg_gatv2_")])
+    variants = {}
+    for attention in ATTENTION_VARIANTS:
+        entry = entries["engine" if attention == "gat" else f"engine_{attention}"]
+        variants[attention] = {"train_step_ms": entry["train_step_ms"], "eval_ms": entry["eval_ms"]}
+        for name, key in (("gatconv", gatconv), ("gatv2conv", gatv2conv)):
+            for step in ("train_step", "eval"):
+                variants[attention][f"{step}_vs_pyg_{name}"] = _ratio(entry[f"{step}_ms"], entries[key][f"{step}_ms"])
+    return {"pyg_gatconv": gatconv, "pyg_gatv2conv": gatv2conv, "variants": variants}
 
 
 def check_targets(engine: dict, targets: Mapping[str, float] = TARGETS) -> dict:
@@ -168,6 +187,17 @@ def format_table(report: dict) -> str:
         for name, check in targets.items():
             verdict = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
             lines.append(f"Target {who} {name} <= {check['target']}: {_fmt(check['value'], '.3f')} ({verdict})")
+    variants = report.get("attention_variants")
+    if variants:
+        names = {key: report["implementations"][variants[key]]["label"] for key in ("pyg_gatconv", "pyg_gatv2conv")}
+        lines.append(f"Attention variants (this engine, 1 seed, torch kernel), train step / eval pass as ratios to "
+                     f"{names['pyg_gatconv']} and to {names['pyg_gatv2conv']}:")
+        for attention, row in variants["variants"].items():
+            lines.append(f"- {attention}: {_fmt(row['train_step_ms'], '.2f')} / {_fmt(row['eval_ms'], '.2f')} ms; "
+                         f"vs GATConv {_fmt(row['train_step_vs_pyg_gatconv'], '.3f')} / "
+                         f"{_fmt(row['eval_vs_pyg_gatconv'], '.3f')}; vs GATv2Conv "
+                         f"{_fmt(row['train_step_vs_pyg_gatv2conv'], '.3f')} / "
+                         f"{_fmt(row['eval_vs_pyg_gatv2conv'], '.3f')}")
     throughput = report.get("reproduce_throughput")
     if throughput:
         rate = throughput["seed_epochs_per_s"]

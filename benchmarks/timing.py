@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -16,10 +18,14 @@ import torch
 
 from benchmarks.implementations import (Runner, build_dense, build_engine, build_fused, build_pyg,
                                         describe_dense_graph)
+from gat.config import Attention
 from gat.data import Graph
 
 # torch's intra-op thread count before the benchmark changes it: one per core unless OMP_NUM_THREADS says otherwise.
 DEFAULT_THREADS = torch.get_num_threads()
+
+# model.attention's values, the paper's first: each is timed on this engine against PyG's GATConv and GATv2Conv.
+ATTENTION_VARIANTS: tuple[Attention, ...] = typing.get_args(Attention)
 
 # Consecutive timed calls per turn: a training loop runs step after step with its data in cache.
 BURST = 5
@@ -76,9 +82,18 @@ def cases(graph: Graph, *, repeats: int, warmup: int, dense_repeats: int, dense_
              lambda g: build_fused(g, seeds), 1, "full Cora (training nodes' receptive field)",
              f"gat.fused: the validation nodes' receptive field only, then {val}", replicas=batched_seeds, **fast),
     ]
+    # The attention variants (model.attention) on the torch kernel, which alone serves them; gat's row is `engine`.
+    for attention in ATTENTION_VARIANTS[1:]:
+        listed.append(Case(f"engine_{attention}", f"this engine (1 seed), attention: {attention}",
+                           functools.partial(build_engine, attention=attention), 1,
+                           "full Cora (training nodes' receptive field)", engine_eval, **fast))
     for threads in sorted({1, DEFAULT_THREADS}):
         listed.append(Case(f"pyg_{threads}t", f"PyG GATConv ({threads} thread{'s' * (threads > 1)})", build_pyg,
                            threads, "full Cora", f"whole-graph forward pass, then {val}", reference=True, **fast))
+    for threads in sorted({1, DEFAULT_THREADS}):
+        listed.append(Case(f"pyg_gatv2_{threads}t", f"PyG GATv2Conv ({threads} thread{'s' * (threads > 1)})",
+                           functools.partial(build_pyg, conv="GATv2Conv"), threads, "full Cora",
+                           f"whole-graph forward pass, then {val}", **fast))
     listed.append(Case("dense", "dense tutorial layer", lambda g: build_dense(g, dense_nodes), DEFAULT_THREADS,
                        describe_dense_graph(graph, dense_nodes), f"forward pass on that graph, then the {val} in it",
                        warmup=dense_warmup, repeats=dense_repeats, full_graph=dense_nodes == graph.num_nodes))

@@ -67,23 +67,36 @@ def _portable_layer(layer: GraphAttentionLayer, inputs: sparse.csr_matrix, neigh
                     ) -> tuple[np.ndarray, np.ndarray]:
     """One layer of a one-replica model in eval mode: (output [N, K·F'] or [N, F'], α [E, K]) in float64.
 
-    The same formula as GraphAttentionLayer._infer; every product sums in the CSR's stored order (scipy.sparse's
-    row loops), every exp is the C library's.
+    The same formula as the layer's eval pass, for each variant (gat.layers.LAYERS); every product sums in the
+    CSR's stored order (scipy.sparse's row loops), every exp is the C library's.
     """
     H, F_out = layer.n_heads, layer.n_hidden
     parameters = {name: value.detach()[0].double().cpu().numpy() for name, value in layer.named_parameters()}
-    wide = parameters["W"].transpose(1, 0, 2).reshape(-1, H * F_out)  # [F_in, H·F'], column h·F' + f
-    g = np.asarray(inputs @ wide).reshape(-1, H, F_out)  # [N, H, F']
-    score_target = (g * parameters["a_target"]).sum(-1) + (parameters["b_target"] + parameters["b_source"])
-    score_source = (g * parameters["a_source"]).sum(-1)  # [N, H]
+    def project(W: np.ndarray) -> np.ndarray:
+        wide = W.transpose(1, 0, 2).reshape(-1, H * F_out)  # [F_in, H·F'], column h·F' + f
+        return np.asarray(inputs @ wide).reshape(-1, H, F_out)  # [N, H, F']
+
+    def leaky_relu(x: np.ndarray) -> np.ndarray:
+        return np.where(x > 0, x, x * layer.negative_slope)
+
+    g = project(parameters["W"])
     source, target = neighbourhoods.source.cpu().numpy(), neighbourhoods.target.cpu().numpy()
     n = neighbourhoods.num_targets
-    e = score_target[target] + score_source[source]  # [E, H]
-    e = np.where(e > 0, e, e * layer.negative_slope)
-    shift = np.full((n, H), -np.inf)
-    np.maximum.at(shift, target, e)  # the max is exact in any order
-    exp = _elementwise(math.exp, e - shift[target])
-    alpha = exp / _segment_sum(exp, target, n)[target]
+    if layer.variant == "constant":
+        alpha = np.repeat(1.0 / np.bincount(target, minlength=n)[target][:, None], H, axis=1)  # [E, H]
+    else:
+        if layer.variant == "gatv2":
+            g = g + parameters["b_source"]
+            t = project(parameters["W_target"]) + parameters["b_target"]
+            e = (leaky_relu(t[target] + g[source]) * parameters["a"]).sum(-1)  # [E, H]
+        else:
+            score_target = (g * parameters["a_target"]).sum(-1) + (parameters["b_target"] + parameters["b_source"])
+            score_source = (g * parameters["a_source"]).sum(-1)  # [N, H]
+            e = leaky_relu(score_target[target] + score_source[source])  # [E, H]
+        shift = np.full((n, H), -np.inf)
+        np.maximum.at(shift, target, e)  # the max is exact in any order
+        exp = _elementwise(math.exp, e - shift[target])
+        alpha = exp / _segment_sum(exp, target, n)[target]
     crow = neighbourhoods.crow.cpu().numpy()
     out = np.stack([sparse.csr_matrix((alpha[:, h], source, crow), shape=(n, g.shape[0])) @ g[:, h]
                     for h in range(H)], axis=1) + parameters["bias"]  # [N, H, F']

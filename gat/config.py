@@ -109,6 +109,9 @@ class PreprocessParams:
             _in_range(getattr(self, name), f"{p}.{name}", 1, 1_000_000)
 
 
+Attention = Literal["gat", "gatv2", "constant"]  # model.attention's values (gat.layers.LAYERS implements each)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The paper's two-layer GAT: `heads` x `hidden_features`, concatenated, then `output_heads` averaged."""
@@ -122,7 +125,7 @@ class ModelConfig:
     # al. 2022's dynamic e_ij = a^T LeakyReLU(W_t h_i + W_s h_j); `constant`, every neighbour equally (the ablation's
     # control). params.yaml must set it; code that builds a ModelConfig itself, or loads a checkpoint older than the
     # key, gets the paper's.
-    attention: Literal["gat", "gatv2", "constant"] = "gat"
+    attention: Attention = "gat"
 
     def validate(self, p: str) -> None:
         _in_range(self.hidden_features, f"{p}.hidden_features", 1, 4096)
@@ -145,15 +148,23 @@ MEMORY_BASE = 500 * 2**20
 
 
 def training_memory_bytes(config: ModelConfig, num_nodes: int, num_features: int, num_classes: int,
-                          replicas: int = 1) -> int:
+                          replicas: int = 1, *, num_edges: int = 0) -> int:
     """About how much memory training `replicas` GATs of `config` on a graph of these sizes needs, at its peak.
 
     The first layer dominates: heads x hidden_features columns of `num_features` weights and of `num_nodes`
     activations, per replica; the output layer adds heads x hidden_features x classes x output_heads weights.
+    `gatv2` has a second projection W_t of each layer's size, and a tensor of every edge's features (the
+    LeakyReLU of t_i + g_j) where the others have a score per node: `num_edges` (E without the self-loops,
+    which are added here) sizes it, and only gatv2's estimate reads it. `constant` is counted as `gat`
+    (it has no attention vectors, a few hundred weights).
     """
     hidden = config.heads * config.hidden_features
-    weights = hidden * (num_features + 2) + config.output_heads * num_classes * (hidden + 2)
-    activations = num_nodes * (hidden + config.output_heads * num_classes)
+    outputs = config.output_heads * num_classes
+    weights = hidden * (num_features + 2) + outputs * (hidden + 2)
+    activations = num_nodes * (hidden + outputs)
+    if config.attention == "gatv2":
+        weights += hidden * num_features + outputs * hidden
+        activations += (num_edges + num_nodes) * (hidden + outputs)
     return int(MEMORY_BASE + replicas * (MEMORY_PER_WEIGHT * weights + MEMORY_PER_ACTIVATION * activations))
 
 

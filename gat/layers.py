@@ -15,6 +15,12 @@ from gat.dropout import ReplicaDropout
 from gat.graph import Neighbourhoods, SparseFeatures, csr_beta_warning_silenced
 
 
+def _glorot(fan_in: int, fan_out: int, *shape: int, generator: torch.Generator) -> Tensor:
+    """Glorot-uniform values in ±sqrt(6 / (fan_in + fan_out)), drawn from `generator`."""
+    bound = math.sqrt(6.0 / (fan_in + fan_out))
+    return (torch.rand(*shape, generator=generator) * 2 - 1) * bound
+
+
 def per_replica(product: Callable[[Tensor, Tensor], Tensor], left: Tensor, right: Tensor) -> Tensor:
     """torch.stack of product(left[r], right[r]) over the replicas r: one dense BLAS call per replica.
 
@@ -277,42 +283,63 @@ class GraphAttentionLayer(nn.Module):
         self.dropout, self.negative_slope, self.activation = dropout, leaky_relu_negative_slope, activation
         shape = (n_replicas, n_heads)
         self.W = nn.Parameter(torch.empty(*shape, in_features, self.n_hidden))
+        self._attention_parameters(shape)
+        self.bias = nn.Parameter(torch.zeros(*shape, self.n_hidden))
+        self.reset_parameters([torch.Generator().manual_seed(r) for r in range(n_replicas)])
+
+    variant = "gat"  # model.attention's name for the variant (gat.config.ModelConfig.attention)
+
+    def _attention_parameters(self, shape: tuple[int, int]) -> None:
+        """Register the parameters that score edges, after W and before the output bias (state_dict order)."""
         self.a_target = nn.Parameter(torch.empty(*shape, self.n_hidden))  # a_1: scores the receiving node i
         self.a_source = nn.Parameter(torch.empty(*shape, self.n_hidden))  # a_2: scores the neighbour j
         # b_1 and b_2 only ever appear summed, but Adam and L2 treat them as two variables, as the authors' code does.
         self.b_target = nn.Parameter(torch.zeros(shape))
         self.b_source = nn.Parameter(torch.zeros(shape))
-        self.bias = nn.Parameter(torch.zeros(*shape, self.n_hidden))
-        self.reset_parameters([torch.Generator().manual_seed(r) for r in range(n_replicas)])
 
     @property
     def n_replicas(self) -> int:
         return self.W.shape[0]
 
-    @torch.no_grad()
     def reset_parameters(self, generators: Sequence[torch.Generator]) -> None:
         """Glorot-uniform weights (1x1 convolutions in the authors' code), zero biases.
 
-        Replica r draws from generators[r] alone.
+        Replica r draws from generators[r] alone: first the paper's layer's draws (:meth:`reset_shared`), then the
+        variant's own (:meth:`reset_extra`; none for `gat`). A model makes the first pass over all its layers
+        before the second, so W is the same for a seed whichever the variant (gat.model.GAT.reset_parameters).
         """
+        self.reset_shared(generators)
+        self.reset_extra(generators)
 
-        def glorot(fan_in: int, fan_out: int, *shape: int, generator: torch.Generator) -> Tensor:
-            bound = math.sqrt(6.0 / (fan_in + fan_out))
-            return (torch.rand(*shape, generator=generator) * 2 - 1) * bound
+    @torch.no_grad()
+    def reset_shared(self, generators: Sequence[torch.Generator]) -> None:
+        """The paper's layer's draws, W then a_1 then a_2 of each replica, and zero biases.
 
+        The variants consume the same draws in the same order, whatever of them they keep.
+        """
         for r, generator in enumerate(generators):
-            self.W[r] = glorot(self.in_features, self.n_hidden, *self.W.shape[1:], generator=generator)
-            self.a_target[r] = glorot(self.n_hidden, 1, *self.a_target.shape[1:], generator=generator)
-            self.a_source[r] = glorot(self.n_hidden, 1, *self.a_source.shape[1:], generator=generator)
-        for bias in (self.b_target, self.b_source, self.bias):
-            bias.zero_()
+            self.W[r] = _glorot(self.in_features, self.n_hidden, *self.W.shape[1:], generator=generator)
+            a_target = _glorot(self.n_hidden, 1, self.n_heads, self.n_hidden, generator=generator)
+            a_source = _glorot(self.n_hidden, 1, self.n_heads, self.n_hidden, generator=generator)
+            self._keep_attention_draws(r, a_target, a_source)
+        for name, parameter in self.named_parameters():
+            if name.startswith("b"):  # b_target, b_source and the output bias
+                parameter.zero_()
 
-    def _transform(self, h: Tensor | SparseFeatures, noise: ReplicaDropout | None) -> Tensor:
-        """g = W^k · dropout_k(h) for every replica and head.
+    def _keep_attention_draws(self, r: int, a_target: Tensor, a_source: Tensor) -> None:
+        self.a_target[r] = a_target
+        self.a_source[r] = a_source
 
-        Shapes: g: [R·H, N, F'] (block-major)
+    def reset_extra(self, generators: Sequence[torch.Generator]) -> None:
+        """Draws of parameters that the paper's layer doesn't have, after every layer's :meth:`reset_shared`."""
+
+    def _transform(self, h: Tensor | SparseFeatures, noise: ReplicaDropout | None, W: Tensor | None = None) -> Tensor:
+        """g = W^k · dropout_k(h) for every replica and head (`W`: self.W unless given, [R, H, F_in, F_out]).
+
+        Shapes: g: [R·H, N, F_out] (block-major)
         """
-        R, H, F_out = self.n_replicas, self.n_heads, self.n_hidden
+        W = self.W if W is None else W
+        R, H, F_out = self.n_replicas, self.n_heads, W.shape[-1]
         if isinstance(h, SparseFeatures):
             # Block b multiplies x under its own mask, diag(x ∘ m_1, ..., x ∘ m_B) @ [W_1; ...; W_B].
             values = h.values.expand(R, H, h.nnz)
@@ -320,13 +347,13 @@ class GraphAttentionLayer(nn.Module):
                 values = values * noise.keep(H, h.nnz, device=h.values.device)
             build = functools.partial(_BlockPlan.build, h.crow, h.col, h.num_features, R * H)
             plan = h.memoised((_BlockPlan, R * H), build)
-            g = _BlockSparseMatmul.apply(values.reshape(-1), self.W.reshape(-1, F_out), plan)
+            g = _BlockSparseMatmul.apply(values.reshape(-1), W.reshape(-1, F_out), plan)
             return g.view(R * H, h.num_nodes, F_out)
         N = h.shape[0]
         h = h.transpose(0, 1).contiguous().unsqueeze(1)  # [R, 1, N, F_in]: one input, a mask per head
         if noise is not None:
             h = h * noise.keep(H, N, h.shape[-1], device=h.device)
-        return per_replica(torch.matmul, h, self.W).view(R * H, N, F_out)
+        return per_replica(torch.matmul, h, W).view(R * H, N, F_out)
 
     def forward(self, h: Tensor | SparseFeatures, neighbourhoods: Neighbourhoods,
                 noise: ReplicaDropout | None = None) -> Tensor:
@@ -338,12 +365,47 @@ class GraphAttentionLayer(nn.Module):
             if noise is not None:
                 raise ValueError("dropout noise was passed to a layer in eval mode: call train() to apply dropout")
             return self._infer(h, neighbourhoods)
+        return self._blockwise(h, neighbourhoods, noise)
+
+    def _blockwise(self, h: Tensor | SparseFeatures, neighbourhoods: Neighbourhoods, noise: ReplicaDropout | None,
+                   attention: list[Tensor] | None = None) -> Tensor:
+        """The training mode's block-major pass; `attention` as in :meth:`_infer`.
+
+        Shapes: as :meth:`forward`
+        """
         R, H, F_out = self.n_replicas, self.n_heads, self.n_hidden
         B, n_targets, n_sources = R * H, neighbourhoods.num_targets, neighbourhoods.num_sources
+        plan = neighbourhoods.memoised((_BlockPlan, B), functools.partial(
+            _BlockPlan.build, neighbourhoods.crow, neighbourhoods.source, n_sources, B))
+        g, alpha = self._messages_and_coefficients(h, neighbourhoods, noise, plan)  # [B, n_sources, F'], [B·E]
+        if attention is not None:
+            attention.append(alpha.detach().view(R, H, -1).permute(2, 0, 1))  # [E, R, H]
+
+        if noise is not None:
+            alpha = alpha * noise.keep(H, neighbourhoods.num_edges, device=alpha.device).view(-1)
+            g = g * noise.keep(H, n_sources, F_out, device=g.device).view(B, n_sources, F_out)
+
+        # h'_i = Σ_j α_ij g_j for all blocks at once: a block-diagonal sparse-dense product.
+        out = _BlockSparseMatmul.apply(alpha, g.reshape(B * n_sources, F_out), plan)
+        out = _AddBias.apply(out.view(R, H, n_targets, F_out), self.bias)
+        if self.activation is not None:
+            out = self.activation(out)  # per head, before heads are joined, as the authors' attn_head does
+        if self.is_concat:
+            return out.permute(2, 0, 1, 3).reshape(n_targets, R, H * F_out)
+        return out.mean(dim=1).transpose(0, 1)
+
+    def _messages_and_coefficients(self, h: Tensor | SparseFeatures, neighbourhoods: Neighbourhoods,
+                                   noise: ReplicaDropout | None, plan: _BlockPlan) -> tuple[Tensor, Tensor]:
+        """The messages g_j (before their dropout) and the coefficients α_ij (before theirs) of every block.
+
+        The input's dropout mask is drawn here, before the other two: every variant draws the same masks.
+
+        Shapes: g: [B, N_src, F'] (B = R·H blocks, block-major); α: [B·E], each block's edges in their CSR order
+        """
+        R, H, F_out = self.n_replicas, self.n_heads, self.n_hidden
+        B, n_sources = R * H, neighbourhoods.num_sources
         # B = R·H blocks of (replica, head), laid out block after block: [B, n_sources, F'].
         g = self._transform(h, noise)
-        attention = neighbourhoods.memoised((_BlockPlan, B), functools.partial(
-            _BlockPlan.build, neighbourhoods.crow, neighbourhoods.source, n_sources, B))
 
         # a^T [g_i || g_j] = a_1·g_i + a_2·g_j: score each node once, then gather to edges (O(E), not O(N²)).
         a = torch.stack([self.a_target, self.a_source], dim=-1)  # [R, H, F', 2]
@@ -354,20 +416,7 @@ class GraphAttentionLayer(nn.Module):
             score_target = score_target.index_select(1, neighbourhoods.target_in_source)
         e = F.leaky_relu(score_target.index_select(1, neighbourhoods.target)
                          + score_source.index_select(1, neighbourhoods.source), self.negative_slope)
-        alpha = segment_softmax(e.view(-1), attention.lengths, attention.rows)  # [B·E]
-
-        if noise is not None:
-            alpha = alpha * noise.keep(H, neighbourhoods.num_edges, device=alpha.device).view(-1)
-            g = g * noise.keep(H, n_sources, F_out, device=g.device).view(B, n_sources, F_out)
-
-        # h'_i = Σ_j α_ij g_j for all blocks at once: a block-diagonal sparse-dense product.
-        out = _BlockSparseMatmul.apply(alpha, g.reshape(B * n_sources, F_out), attention)
-        out = _AddBias.apply(out.view(R, H, n_targets, F_out), self.bias)
-        if self.activation is not None:
-            out = self.activation(out)  # per head, before heads are joined, as the authors' attn_head does
-        if self.is_concat:
-            return out.permute(2, 0, 1, 3).reshape(n_targets, R, H * F_out)
-        return out.mean(dim=1).transpose(0, 1)
+        return g, segment_softmax(e.view(-1), plan.lengths, plan.rows)  # [B·E]
 
     def _infer(self, h: Tensor | SparseFeatures, neighbourhoods: Neighbourhoods,
                attention: list[Tensor] | None = None) -> Tensor:
@@ -427,3 +476,104 @@ class GraphAttentionLayer(nn.Module):
         if self.is_concat:
             return out.reshape(n_targets, R, H * F_out)
         return out.mean(dim=2)
+
+
+class GATv2Layer(GraphAttentionLayer):
+    r"""Dynamic attention (Brody et al. 2022, "How Attentive are Graph Attention Networks?"), R replicas at once.
+
+    For head k, with separate projections of the neighbour j (the message) and of the receiving node i:
+
+    .. math::
+        g_j = W^k h_j + b_s^k, \qquad t_i = W_t^k h_i + b_t^k, \qquad
+        e_{ij} = a^k \cdot \mathrm{LeakyReLU}\big(t_i + g_j\big),
+
+        \alpha_{ij} = \mathrm{softmax}_{j \in N(i)}(e_{ij}), \qquad h'_i = \sum_{j \in N(i)} \alpha_{ij} g_j + c^k
+
+    The nonlinearity sits between a and the projections, so the ranking of the neighbours can depend on i
+    (the paper's layer ranks them the same for every i). This is PyG's `GATv2Conv` with its defaults
+    (`share_weights=False`, `add_self_loops=True`, `bias=True`): W is its `lin_l` (the source, whose output
+    is also the message), W_t its `lin_r`, b_s and b_t their biases; the output bias c^k is per head as in
+    :class:`GraphAttentionLayer`. Dropout as there: the input (one mask per head, shared by both
+    projections), the messages g and the coefficients α. There is no per-node score to gather: the
+    LeakyReLU of each edge's F' features, an [R·H, E, F'] tensor, is the cost of the dynamic ranking.
+
+    Initialisation (:meth:`reset_shared`): W and a take the draws of the paper's layer's W and a_1, its a_2
+    draw is drawn and dropped, and W_t is drawn after every layer's shared draws (:meth:`reset_extra`); so
+    a seed's W, in both layers, is the paper's model's W for that seed.
+
+    Args, shapes and modes: as :class:`GraphAttentionLayer`; eval mode runs the training layout without
+    dropout (there is no node-major pass for this variant).
+    """
+
+    variant = "gatv2"
+
+    def _attention_parameters(self, shape: tuple[int, int]) -> None:
+        self.W_target = nn.Parameter(torch.empty(*shape, self.in_features, self.n_hidden))
+        self.a = nn.Parameter(torch.empty(*shape, self.n_hidden))
+        self.b_target = nn.Parameter(torch.zeros(*shape, self.n_hidden))  # lin_r's bias
+        self.b_source = nn.Parameter(torch.zeros(*shape, self.n_hidden))  # lin_l's: part of the message
+
+    def _keep_attention_draws(self, r: int, a_target: Tensor, a_source: Tensor) -> None:
+        self.a[r] = a_target
+
+    @torch.no_grad()
+    def reset_extra(self, generators: Sequence[torch.Generator]) -> None:
+        for r, generator in enumerate(generators):
+            self.W_target[r] = _glorot(self.in_features, self.n_hidden, *self.W_target.shape[1:], generator=generator)
+
+    def _messages_and_coefficients(self, h: Tensor | SparseFeatures, neighbourhoods: Neighbourhoods,
+                                   noise: ReplicaDropout | None, plan: _BlockPlan) -> tuple[Tensor, Tensor]:
+        R, H, F_out = self.n_replicas, self.n_heads, self.n_hidden
+        B, E = R * H, neighbourhoods.num_edges
+        # Both projections of the same dropped-out input in one product: [W | W_t] of [R, H, F_in, 2F'].
+        both = self._transform(h, noise, torch.cat([self.W, self.W_target], dim=-1))  # [B, n_sources, 2F']
+        both = both + torch.cat([self.b_source, self.b_target], dim=-1).view(B, 1, 2 * F_out)
+        g, t = both[..., :F_out].contiguous(), both[..., F_out:]
+        if neighbourhoods.target_in_source is not None:
+            t = t.index_select(1, neighbourhoods.target_in_source)
+        z = F.leaky_relu(t.index_select(1, neighbourhoods.target) + g.index_select(1, neighbourhoods.source),
+                         self.negative_slope)  # [B, E, F']
+        # a · z per edge, one product per replica (its heads batched): a replica's e never sees its batch-mates.
+        e = per_replica(torch.matmul, z.view(R, H, E, F_out), self.a.unsqueeze(-1))  # [R, H, E, 1]
+        return g, segment_softmax(e.view(-1), plan.lengths, plan.rows)  # [B·E]
+
+    def _infer(self, h: Tensor | SparseFeatures, neighbourhoods: Neighbourhoods,
+               attention: list[Tensor] | None = None) -> Tensor:
+        return self._blockwise(h, neighbourhoods, None, attention)
+
+
+class ConstantAttentionLayer(GraphAttentionLayer):
+    r"""The ablation's control: every neighbour weighs the same, self-loop included.
+
+    .. math::
+        g_j = W^k h_j, \qquad \alpha_{ij} = \frac{1}{|N(i)|}, \qquad h'_i = \sum_{j \in N(i)} \alpha_{ij} g_j + c^k
+
+    Everything but the scores is :class:`GraphAttentionLayer`'s: the projection, the dropout of the input,
+    of g and of the α (so a neighbour is still dropped at random), the output bias, the activation and the
+    heads (which differ only by W). It has no attention parameters. Its initialisation draws the paper's
+    layer's W, a_1 and a_2 and keeps W alone, so a seed's W, in both layers, is the paper's model's W for it.
+
+    Args, shapes and modes: as :class:`GraphAttentionLayer`; eval mode runs the training layout without dropout.
+    """
+
+    variant = "constant"
+
+    def _attention_parameters(self, shape: tuple[int, int]) -> None:
+        """None: α is fixed by the graph."""
+
+    def _keep_attention_draws(self, r: int, a_target: Tensor, a_source: Tensor) -> None:
+        """Drawn only to keep the seed's stream where the paper's layer leaves it."""
+
+    def _messages_and_coefficients(self, h: Tensor | SparseFeatures, neighbourhoods: Neighbourhoods,
+                                   noise: ReplicaDropout | None, plan: _BlockPlan) -> tuple[Tensor, Tensor]:
+        g = self._transform(h, noise)
+        uniform = neighbourhoods.degree.to(g.dtype).reciprocal().index_select(0, neighbourhoods.target)  # [E]
+        return g, uniform.repeat(self.n_replicas * self.n_heads)  # [B·E]
+
+    def _infer(self, h: Tensor | SparseFeatures, neighbourhoods: Neighbourhoods,
+               attention: list[Tensor] | None = None) -> Tensor:
+        return self._blockwise(h, neighbourhoods, None, attention)
+
+
+LAYERS: dict[str, type[GraphAttentionLayer]] = {layer.variant: layer for layer in
+                                                (GraphAttentionLayer, GATv2Layer, ConstantAttentionLayer)}

@@ -13,11 +13,14 @@ from torch import Tensor, nn
 from gat.config import ModelConfig
 from gat.dropout import ReplicaDropout
 from gat.graph import Neighbourhoods, SparseFeatures
-from gat.layers import GraphAttentionLayer, elu
+from gat.layers import LAYERS, elu
 
 
 class GAT(nn.Module):
     """K heads of F' features, concatenated, ELU; then `output_heads` heads of C classes, averaged.
+
+    `config.attention` picks the layers: the paper's (gat.layers.GraphAttentionLayer), GATv2Layer or
+    ConstantAttentionLayer.
 
     Cora and Citeseer (the paper): K = 8, F' = 8, one output head, dropout 0.6 everywhere.
     Replica r is initialised from `seeds[r]` alone, so it is the same network whether it
@@ -30,20 +33,29 @@ class GAT(nn.Module):
 
     def __init__(self, config: ModelConfig, in_features: int, num_classes: int, seeds: Sequence[int]):
         super().__init__()
-        if config.attention != "gat":  # TEMPORARY: the gatv2 and constant variants land with their layers
-            raise ValueError(f"model.attention {config.attention!r} is not implemented yet")
+        if config.attention not in LAYERS:
+            raise ValueError(f"model.attention must be one of {', '.join(LAYERS)}, got {config.attention!r}")
         self.config = config
+        Layer = LAYERS[config.attention]
         common: dict[str, Any] = dict(dropout=config.dropout, n_replicas=len(seeds),
                                       leaky_relu_negative_slope=config.leaky_relu_negative_slope)
         hidden = config.heads * config.hidden_features
-        self.hidden = GraphAttentionLayer(in_features, hidden, config.heads, is_concat=True, activation=elu, **common)
-        self.output = GraphAttentionLayer(hidden, num_classes, config.output_heads, is_concat=False, **common)
+        self.hidden = Layer(in_features, hidden, config.heads, is_concat=True, activation=elu, **common)
+        self.output = Layer(hidden, num_classes, config.output_heads, is_concat=False, **common)
         self.reset_parameters(seeds)
 
     def reset_parameters(self, seeds: Sequence[int]) -> None:
+        """Replica r from seeds[r]'s stream alone: every layer's shared draws, then the variant's own.
+
+        Layer by layer, so each replica's stream is consumed in one order; the paper's layer's draws first, so
+        that `gat`, `gatv2` and `constant` start from the same W for a seed, and a comparison paired by seed
+        differs in the attention only (gat.layers.GraphAttentionLayer.reset_parameters).
+        """
         generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
         for layer in (self.hidden, self.output):
-            layer.reset_parameters(generators)  # layer by layer, so each replica's stream is consumed in one order
+            layer.reset_shared(generators)
+        for layer in (self.hidden, self.output):
+            layer.reset_extra(generators)
 
     @property
     def n_replicas(self) -> int:
@@ -122,7 +134,7 @@ def model_state(model: GAT, in_features: int, num_classes: int, seeds: Sequence[
 
 
 def model_from_state(state: dict) -> GAT:
-    """Inverse of :func:`model_state`."""
+    """Inverse of :func:`model_state`. A state saved before `attention` was a key of the config is the paper's."""
     model = GAT(ModelConfig(**state["config"]), state["in_features"], state["num_classes"], state["seeds"])
     model.load_state_dict(state["state_dict"])
     return model.eval()

@@ -234,7 +234,9 @@ class TorchKernel:
 
 
 def fused_unavailable(config: ModelConfig, num_classes: int, device: torch.device) -> str | None:
-    """Why the fused kernel can't train this model here (None: it can): its device, its sizes, or the library."""
+    """Why the fused kernel can't train this model here (None: it can): its attention, device, sizes, or the library."""
+    if config.attention != "gat":  # gat/csrc/fused.cpp computes the paper's e_ij alone
+        return f"it computes the paper's attention only, and model.attention is {config.attention}"
     if device.type != "cpu":
         return f"it runs on the CPU, and this model is on {device}"
     return fused.unsupported((config.hidden_features, num_classes)) or fused.unavailable_reason()

@@ -70,11 +70,14 @@ def available_memory(device: torch.device) -> int:
     return max(0, min(available)) if available else 2**62
 
 
-def memory_problem(config: ModelConfig, key: str, graph_sizes: tuple[int, int, int], dataset: str,
+def memory_problem(config: ModelConfig, key: str, graph_sizes: tuple[int, int, int, int], dataset: str,
                    device: torch.device, replicas: int = 1) -> str:
-    """The sentence that says what training needs against what there is (see gat.config.training_memory_bytes)."""
-    nodes, features, classes = graph_sizes
-    needed = training_memory_bytes(config, nodes, features, classes, replicas)
+    """The sentence that says what training needs against what there is (see gat.config.training_memory_bytes).
+
+    graph_sizes: nodes, features, classes and edges (without self-loops).
+    """
+    nodes, features, classes, edges = graph_sizes
+    needed = training_memory_bytes(config, nodes, features, classes, replicas, num_edges=edges)
     return (f"params.yaml: `{key}` ({config.heads} heads x {config.hidden_features} hidden features) needs about "
             f"{needed / GIB:.1f} GiB to train on {dataset} ({nodes:,} nodes, {features:,} features), but "
             f"{'the GPU' if device.type == 'cuda' else 'this machine'} has {available_memory(device) / GIB:.1f} GiB "
@@ -92,8 +95,8 @@ def run() -> None:
     graph, meta = load_prepared(args.data, settings.dataset)
     # Before any work and before the run opens: a model too big for the memory ends in a MemoryError (or the
     # OOM killer) minutes later.
-    sizes = (graph.num_nodes, graph.num_features, graph.num_classes)
-    if training_memory_bytes(settings.model, *sizes) > available_memory(device):
+    sizes = (graph.num_nodes, graph.num_features, graph.num_classes, graph.edge_index.shape[1])
+    if training_memory_bytes(settings.model, *sizes[:3], num_edges=sizes[3]) > available_memory(device):
         fail(f"{memory_problem(settings.model, 'train.model', sizes, settings.dataset, device)}.")
     tensors = GraphTensors.from_graph(graph, device)
 

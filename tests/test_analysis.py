@@ -3,6 +3,7 @@ pictures, and (end to end, on the tiny pipeline) the PNGs and metrics logged int
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -126,8 +127,13 @@ def test_tsne_is_reproducible_and_silhouette_sees_separated_classes() -> None:
 
 # The same bytes on every CPU ---------------------------------------------------------------------------------------
 
-def test_portable_inspect_computes_what_the_model_does(graph) -> None:
-    model = GAT(CONFIG, F_IN, C, seeds=[0]).eval()  # two output heads: their mean too
+@pytest.mark.parametrize("variant", ["gat", "gatv2", "constant"])
+def test_portable_inspect_computes_what_the_model_does(graph, variant: str) -> None:
+    model = GAT(dataclasses.replace(CONFIG, attention=variant), F_IN, C, seeds=[0]).eval()  # two output heads
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.split(".")[-1].startswith("b"):  # non-zero biases: each enters the formula
+                parameter.add_(0.1)
     inside, portable = model.inspect(*graph), portable_inspect(model, *graph)
     assert (portable.hidden < 0).any()  # ELU's negative side is exercised
     np.testing.assert_allclose(portable.hidden, inside.hidden[:, 0].double().numpy(), rtol=1e-5, atol=1e-6)

@@ -1,6 +1,8 @@
-"""gat.model.GAT.attention: the α of the eval-mode pass, against PyTorch Geometric's GATConv and the softmax's sum."""
+"""gat.model.GAT.attention: the α of the eval-mode pass, against PyG's GATConv and GATv2Conv and the softmax's sum."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -127,3 +129,61 @@ def test_attention_refuses_training_mode_and_receptive_field_blocks(graph) -> No
     _inputs, blocks = receptive_field(neighbourhoods, torch.tensor([1, 2]), 2)
     with pytest.raises(ValueError, match="whole graph"):
         model.attention(SparseFeatures.from_csr(x), blocks[1])
+
+
+# The variants ------------------------------------------------------------------------------------
+
+def _variant_like(attention: str, seeds: list[int]) -> GAT:
+    model = GAT(dataclasses.replace(CONFIG, attention=attention), F_IN, C, seeds=seeds).eval()
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def _pyg_gatv2(layer, replica: int, in_features: int):
+    """PyG's GATv2Conv (defaults: lin_l and lin_r apart, with biases, and self-loops) with `layer`'s weights."""
+    from torch_geometric.nn import GATv2Conv
+
+    H, F_out = layer.n_heads, layer.n_hidden
+    conv = GATv2Conv(in_features, F_out, heads=H, concat=layer.is_concat, negative_slope=layer.negative_slope,
+                     dropout=0.0).eval()
+    with torch.no_grad():
+        conv.lin_l.weight.copy_(layer.W[replica].transpose(1, 2).reshape(H * F_out, in_features))
+        conv.lin_r.weight.copy_(layer.W_target[replica].transpose(1, 2).reshape(H * F_out, in_features))
+        conv.lin_l.bias.copy_(layer.b_source[replica].reshape(-1))
+        conv.lin_r.bias.copy_(layer.b_target[replica].reshape(-1))
+        conv.att.copy_(layer.a[replica].view(1, H, F_out))
+        conv.bias.copy_(layer.bias[replica].reshape(-1) if layer.is_concat else layer.bias[replica].mean(0))
+    return conv
+
+
+@pytest.mark.parametrize("replica", [0, 1])
+def test_gatv2_attention_equals_pyg_gatv2conv_with_the_same_weights(graph, replica: int) -> None:
+    x, edge_index = graph
+    model = _variant_like("gatv2", seeds=[7, 8])
+    neighbourhoods = Neighbourhoods.from_edge_index(edge_index, N)
+    first, second = model.attention(SparseFeatures.from_csr(x), neighbourhoods)
+    assert first.shape == (neighbourhoods.num_edges, 2, CONFIG.heads)
+    conv1 = _pyg_gatv2(model.hidden, replica, F_IN)
+    conv2 = _pyg_gatv2(model.output, replica, CONFIG.heads * CONFIG.hidden_features)
+    with torch.no_grad():
+        hidden, (edges1, alpha1) = conv1(x, edge_index, return_attention_weights=True)
+        logits, (edges2, alpha2) = conv2(F.elu(hidden), edge_index, return_attention_weights=True)
+    torch.testing.assert_close(first[:, replica], _in_our_order(edges1, alpha1, neighbourhoods), rtol=0, atol=1e-6)
+    torch.testing.assert_close(second[:, replica], _in_our_order(edges2, alpha2, neighbourhoods), rtol=0, atol=1e-6)
+    torch.testing.assert_close(model(SparseFeatures.from_csr(x), neighbourhoods)[:, replica], logits,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_constant_attention_is_uniform_over_each_neighbourhood(graph) -> None:
+    x, edge_index = graph
+    neighbourhoods = Neighbourhoods.from_edge_index(edge_index, N)
+    model = _variant_like("constant", seeds=[1, 2])
+    inside = model.inspect(SparseFeatures.from_csr(x), neighbourhoods)
+    uniform = 1.0 / neighbourhoods.degree[neighbourhoods.target].float()  # [E]
+    for alpha, heads in zip(inside.attention, (CONFIG.heads, CONFIG.output_heads), strict=True):
+        assert torch.equal(alpha, uniform.view(-1, 1, 1).expand(-1, 2, heads))
+    with torch.no_grad():
+        assert torch.equal(inside.logits, model(SparseFeatures.from_csr(x), neighbourhoods))

@@ -99,7 +99,11 @@ def test_the_downloaded_folder_is_verified_against_the_pinned_checksums(
     (lambda g: implementations.build_engine(g, per_epoch_validation=True), 1),
     (implementations.build_pyg, 1),
     (lambda g: implementations.build_dense(g, DENSE_NODES), 1),
-], ids=["engine", "engine_batched", "engine_epoch_validation", "pyg", "dense"])
+    (lambda g: implementations.build_engine(g, attention="gatv2"), 1),
+    (lambda g: implementations.build_engine(g, attention="constant"), 1),
+    (lambda g: implementations.build_pyg(g, conv="GATv2Conv"), 1),
+], ids=["engine", "engine_batched", "engine_epoch_validation", "pyg", "dense", "engine_gatv2", "engine_constant",
+        "pyg_gatv2"])
 def test_every_implementation_trains_and_evaluates(graph: Graph, build, replicas: int) -> None:
     runner = build(graph)
     before, _ = runner.eval_pass()
@@ -167,7 +171,8 @@ def report(graph: Graph, tmp_path_factory: pytest.TempPathFactory) -> dict:
     peaks = {case.key: {"peak_rss_mb": 1.0 + i, "epochs": 1} for i, case in enumerate(listed)}
     entries = {case.key: bench_report.summarise(case, samples[case.key], peaks[case.key]) for case in listed}
     reference = bench_report.add_ratios(entries, listed)
-    built = bench_report.build_report(entries, reference, bench_report.machine(), graph, baseline_mb=0.5)
+    built = bench_report.build_report(entries, reference, bench_report.machine(), graph, baseline_mb=0.5,
+                                      extra={"attention_variants": bench_report.attention_variants(entries)})
     path = tmp_path_factory.mktemp("report") / "benchmark.json"
     write_json(path, built)
     return json.loads(path.read_text())
@@ -190,7 +195,7 @@ def test_report_has_the_required_keys_per_implementation(report: dict) -> None:
 def test_ratios_are_to_the_faster_pyg_case(report: dict) -> None:
     entries = report["implementations"]
     reference = entries[report["reference"]]
-    pyg = [entry for key, entry in entries.items() if key.startswith("pyg_")]
+    pyg = [entry for key, entry in entries.items() if key.startswith("pyg_") and not key.startswith("pyg_gatv2_")]
     assert reference["train_step_ms"] == min(entry["train_step_ms"] for entry in pyg)
     assert reference["train_step_vs_pyg"] == 1.0 and reference["eval_vs_pyg"] == 1.0
     engine = entries["engine"]
@@ -212,3 +217,19 @@ def test_targets_and_table(report: dict) -> None:
     assert "| implementation | threads | graph | train step ms | eval ms | peak RSS MB |" in table
     for entry in report["implementations"].values():
         assert f"| {entry['label']} |" in table
+
+
+def test_each_attention_variant_is_timed_against_pyg_gatconv_and_gatv2conv(report: dict) -> None:
+    entries, block = report["implementations"], report["attention_variants"]
+    assert {"engine_gatv2", "engine_constant", "pyg_gatv2_1t"} <= set(entries)
+    assert block["pyg_gatconv"] == report["reference"] and block["pyg_gatv2conv"].startswith("pyg_gatv2_")
+    assert set(block["variants"]) == {"gat", "gatv2", "constant"}
+    for attention, row in block["variants"].items():
+        entry = entries["engine" if attention == "gat" else f"engine_{attention}"]
+        for step in ("train_step", "eval"):
+            assert row[f"{step}_vs_pyg_gatconv"] == pytest.approx(
+                entry[f"{step}_ms"] / entries[block["pyg_gatconv"]][f"{step}_ms"])
+            assert row[f"{step}_vs_pyg_gatv2conv"] == pytest.approx(
+                entry[f"{step}_ms"] / entries[block["pyg_gatv2conv"]][f"{step}_ms"])
+    table = bench_report.format_table(report)
+    assert "Attention variants" in table and "- constant:" in table

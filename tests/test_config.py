@@ -190,3 +190,9 @@ def test_a_params_file_that_is_not_a_mapping_is_named_properly(document) -> None
     with pytest.raises(ParamsError) as error:
         Params.from_dict(document)
     assert "``" not in str(error.value) and "top level" in str(error.value)
+
+
+@pytest.mark.parametrize("key", ["train.model.attention", "reproduce.protocol.citeseer.model.attention"])
+def test_an_unknown_attention_variant_is_named_with_the_choices(raw, key: str) -> None:
+    message = _refused(_set(raw, key, "transformer"), key)
+    assert "'gat', 'gatv2', 'constant'" in message and "\n" not in message, message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -390,3 +391,19 @@ def test_the_kernel_that_trained_is_named(small_graph: GraphTensors) -> None:
     assert planned_kernel(SMALL, FAST, small_graph.num_classes, device) == "fused"
     torch_optim = OptimConfig(0.2, 5e-4, 2, 5, "torch")
     assert train(small_graph, SMALL, torch_optim, SEEDS[:1]).kernel == "torch"
+
+
+@pytest.mark.parametrize("attention", ["gatv2", "constant"])
+def test_a_variant_trains_with_torch_and_its_kernel_says_why(small_graph: GraphTensors, attention: str) -> None:
+    """gat/csrc/fused.cpp computes the paper's attention only: `kernel: fused` falls back, and the name says why."""
+    from gat.training import planned_kernel
+
+    variant = dataclasses.replace(SMALL, attention=attention)
+    fused_optim = dataclasses.replace(FAST, kernel="fused", max_epochs=2)
+    expected = f"torch (fused unavailable: it computes the paper's attention only, and model.attention is {attention})"
+    assert planned_kernel(variant, fused_optim, small_graph.num_classes, torch.device("cpu")) == expected
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fused.FusedFallbackWarning)
+        assert train(small_graph, variant, fused_optim, SEEDS[:1]).kernel == expected
+    torch_optim = dataclasses.replace(fused_optim, kernel="torch")
+    assert train(small_graph, variant, torch_optim, SEEDS[:1]).kernel == "torch"

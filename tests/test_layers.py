@@ -18,7 +18,7 @@ from gat.dense_reference import GraphAttentionLayer as DenseLayer
 from gat.dense_reference import adjacency, copy_into, dense_attention
 from gat.dropout import ReplicaDropout
 from gat.graph import Neighbourhoods, SparseFeatures, receptive_field
-from gat.layers import GraphAttentionLayer, segment_softmax
+from gat.layers import ConstantAttentionLayer, GATv2Layer, GraphAttentionLayer, segment_softmax
 
 
 def random_graph(num_nodes: int, num_edges: int, seed: int, isolated: int = 2) -> Neighbourhoods:
@@ -522,3 +522,136 @@ def test_dropout_hits_the_input_the_transformed_features_and_the_attention(f_in:
     assert abs(head_zero.double().mean().item() - expected) < 0.04, (head_zero.double().mean(), expected)
     element_zero = (out.view(n, 2, heads, f_out)[~head_zero] == 0).double().mean().item()
     assert abs(element_zero - p) < 0.04, element_zero
+
+
+# The variants: GATv2 and constant attention ------------------------------------------------------
+
+def _variant(Layer, f_in: int, heads: int, f_out: int, is_concat: bool, replicas: int = 1):
+    return Layer(f_in, heads * f_out if is_concat else f_out, heads, is_concat=is_concat, n_replicas=replicas,
+                 dropout=0.6, leaky_relu_negative_slope=0.2)
+
+
+def _pyg_gatv2(layer: GATv2Layer, replica: int, f_in: int):
+    """PyG's GATv2Conv (its defaults: separate lin_l and lin_r with biases, self-loops) with `layer`'s weights."""
+    from torch_geometric.nn import GATv2Conv
+
+    H, F_out = layer.n_heads, layer.n_hidden
+    conv = GATv2Conv(f_in, F_out, heads=H, concat=layer.is_concat, negative_slope=layer.negative_slope,
+                     dropout=0.0, add_self_loops=True, bias=True, share_weights=False).eval()
+    with torch.no_grad():
+        conv.lin_l.weight.copy_(layer.W[replica].transpose(1, 2).reshape(H * F_out, f_in))
+        conv.lin_r.weight.copy_(layer.W_target[replica].transpose(1, 2).reshape(H * F_out, f_in))
+        conv.lin_l.bias.copy_(layer.b_source[replica].reshape(-1))
+        conv.lin_r.bias.copy_(layer.b_target[replica].reshape(-1))
+        conv.att.copy_(layer.a[replica].view(1, H, F_out))
+        # PyG adds one bias after joining the heads; ours adds one per head.
+        conv.bias.copy_(layer.bias[replica].reshape(-1) if layer.is_concat else layer.bias[replica].mean(0))
+    return conv
+
+
+@MODES
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-input", "sparse-input"])
+@pytest.mark.parametrize("is_concat,heads", [(True, 1), (True, 3), (False, 1), (False, 2)])
+def test_gatv2_matches_pyg_gatv2conv_forward_and_gradients(is_concat: bool, heads: int, sparse: bool,
+                                                           mode: str) -> None:
+    n, f_in, f_out, replicas = 19, 9, 4, 2
+    neighbourhoods = random_graph(n, 45, seed=21)
+    x = random_features(n, f_in, seed=21, density=0.6)
+    layer = randomise(_variant(GATv2Layer, f_in, heads, f_out, is_concat, replicas), seed=21).train(mode == "train")
+    edge_index = torch.stack([neighbourhoods.source, neighbourhoods.target])
+    edge_index = edge_index[:, edge_index[0] != edge_index[1]]  # PyG adds the self-loops itself
+    out = layer(SparseFeatures.from_csr(x) if sparse else x.unsqueeze(1).expand(n, replicas, f_in), neighbourhoods)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(21))
+    (out * weights).sum().backward()
+    for r in range(replicas):
+        conv = _pyg_gatv2(layer, r, f_in)
+        expected = conv(x, edge_index)
+        torch.testing.assert_close(out[:, r].detach(), expected.detach(), rtol=1e-5, atol=1e-5)
+        (expected * weights[:, r]).sum().backward()
+        H, F_out = heads, layer.n_hidden
+        torch.testing.assert_close(layer.W.grad[r], conv.lin_l.weight.grad.view(H, F_out, f_in).transpose(1, 2),
+                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer.W_target.grad[r],
+                                   conv.lin_r.weight.grad.view(H, F_out, f_in).transpose(1, 2), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer.a.grad[r], conv.att.grad.view(H, F_out), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer.b_source.grad[r], conv.lin_l.bias.grad.view(H, F_out), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer.b_target.grad[r], conv.lin_r.bias.grad.view(H, F_out), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("is_concat,heads,f_out", [(True, 8, 8), (False, 1, 7), (False, 3, 7)])
+def test_gatv2_matches_pyg_gatv2conv_at_coras_size(cora_sized, is_concat: bool, heads: int, f_out: int) -> None:
+    x, edge_index = cora_sized
+    n, f_in = x.shape
+    layer = _variant(GATv2Layer, f_in, heads, f_out, is_concat).eval()
+    with torch.no_grad():
+        for parameter in (layer.a, layer.b_source, layer.b_target, layer.bias):
+            parameter.normal_(generator=torch.Generator().manual_seed(12))
+        expected = _pyg_gatv2(layer, 0, f_in)(x, edge_index)
+        out = layer(SparseFeatures.from_csr(x), Neighbourhoods.from_edge_index(edge_index, n))
+    torch.testing.assert_close(out[:, 0], expected, rtol=1e-5, atol=1e-5)
+
+
+@MODES
+@pytest.mark.parametrize("is_concat,heads", [(True, 3), (False, 2)])
+def test_constant_attention_is_the_neighbourhood_mean_of_the_projections(is_concat: bool, heads: int,
+                                                                          mode: str) -> None:
+    n, f_in, f_out = 17, 6, 4
+    neighbourhoods = random_graph(n, 40, seed=22)
+    x = random_features(n, f_in, seed=22, density=0.7)
+    layer = randomise(_variant(ConstantAttentionLayer, f_in, heads, f_out, is_concat), seed=22).train(mode == "train")
+    assert sorted(name for name, _ in layer.named_parameters()) == ["W", "bias"]  # no attention parameters
+    with torch.no_grad():
+        out = layer(SparseFeatures.from_csr(x), neighbourhoods)
+    # By hand: h'_i = (1/|N(i)|) Σ_{j ∈ N(i)} W h_j + c, each neighbourhood with i itself.
+    adjacent = torch.zeros(n, n, dtype=torch.float64)
+    adjacent[neighbourhoods.target, neighbourhoods.source] = 1.0
+    mean = adjacent / adjacent.sum(1, keepdim=True)
+    g = torch.einsum("nf,hfo->hno", x.double(), layer.W[0].double())  # [H, N, F']
+    expected = torch.einsum("ij,hjo->iho", mean, g) + layer.bias[0].double()  # [N, H, F']
+    expected = expected.reshape(n, -1) if is_concat else expected.mean(1)
+    torch.testing.assert_close(out[:, 0].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@MODES
+@pytest.mark.parametrize("Layer", [GATv2Layer, ConstantAttentionLayer], ids=["gatv2", "constant"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-input", "sparse-input"])
+@pytest.mark.parametrize("is_concat", [True, False], ids=["concat", "mean"])
+def test_a_variants_replica_equals_a_one_replica_layer_with_its_parameters(Layer, is_concat: bool, sparse: bool,
+                                                                          mode: str) -> None:
+    n, f_in, heads, f_out, replicas, p = 15, 7, 2, 3, 3, 0.6
+    neighbourhoods = random_graph(n, 35, seed=5)
+    batch = randomise(_variant(Layer, f_in, heads, f_out, is_concat, replicas), seed=5).train(mode == "train")
+    if sparse:
+        x = SparseFeatures.from_csr(random_features(n, f_in, seed=5))
+        inputs = [x] * replicas
+    else:
+        h = torch.randn(n, replicas, f_in, generator=torch.Generator().manual_seed(5))
+        x, inputs = h, [h[:, r:r + 1] for r in range(replicas)]
+    seeds = [3, 4, 5]
+    noise = ReplicaDropout(seeds, p) if mode == "train" else None
+    out = batch(x, neighbourhoods, noise)
+    out.sum().backward()
+    for r in range(replicas):
+        single = _variant(Layer, f_in, heads, f_out, is_concat).train(mode == "train")
+        single.load_state_dict({name: q[r:r + 1] for name, q in batch.state_dict().items()})
+        alone = single(inputs[r], neighbourhoods, ReplicaDropout([seeds[r]], p) if mode == "train" else None)
+        alone.sum().backward()
+        assert torch.equal(out[:, r:r + 1], alone), r
+        for (name, q), (_, s) in zip(batch.named_parameters(), single.named_parameters()):
+            assert torch.equal(q.grad[r:r + 1], s.grad), (r, name)
+    assert not torch.allclose(out[:, 0], out[:, 1])
+
+
+@pytest.mark.parametrize("Layer", [GATv2Layer, ConstantAttentionLayer], ids=["gatv2", "constant"])
+def test_a_variant_draws_the_papers_three_dropout_masks(Layer) -> None:
+    """Input (shared by GATv2's two projections), W·h and α: the masks of the paper's layer, in its order."""
+    n, f_in, p = 30, 8, 0.6
+    neighbourhoods = random_graph(n, 90, seed=23)
+    x = SparseFeatures.from_csr(random_features(n, f_in, seed=23, density=0.5))
+    shapes = []
+    for L in (GraphAttentionLayer, Layer):
+        noise = RecordingDropout([1, 2], p)
+        with torch.no_grad():
+            _variant(L, f_in, 2, 4, True, 2).train()(x, neighbourhoods, noise)
+        shapes.append([mask.shape for mask in noise.masks])
+    assert shapes[0] == shapes[1] and len(shapes[0]) == 3

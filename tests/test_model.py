@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -72,13 +73,15 @@ def test_a_replica_is_initialised_from_its_seed_alone() -> None:
     assert batch.hidden.W.abs().max() > 0 and torch.all(batch.output.bias == 0)
 
 
-def test_a_replicas_step_does_not_depend_on_the_batch(graph) -> None:
-    """Logits, loss and gradients of a replica are bit for bit those of its seed trained alone."""
+@pytest.mark.parametrize("attention", ["gat", "gatv2", "constant"])
+def test_a_replicas_step_does_not_depend_on_the_batch(graph, attention: str) -> None:
+    """Logits, loss and gradients of a replica are bit for bit those of its seed trained alone, in every variant."""
     x, neighbourhoods = graph
     labels, index = torch.arange(N) % C, torch.arange(0, N, 2)
+    config = dataclasses.replace(CONFIG, attention=attention)
 
     def step(seeds: list[int]):
-        model = GAT(CONFIG, F_IN, C, seeds=seeds).train()
+        model = GAT(config, F_IN, C, seeds=seeds).train()
         logits = model(x, neighbourhoods, ReplicaDropout(seeds, CONFIG.dropout))
         loss, _ = loss_and_accuracy(logits, labels, index)
         loss.sum().backward()
@@ -182,3 +185,48 @@ def test_node_classifier_returns_log_probabilities(graph) -> None:
     assert torch.equal(out[0], out[3])
     with pytest.raises(ValueError, match="one replica"):
         NodeClassifier(GAT(CONFIG, F_IN, C, seeds=[1, 2]), x, neighbourhoods)
+
+
+# The attention variants -------------------------------------------------------------------------
+
+def test_a_seeds_weights_are_the_same_in_every_variant() -> None:
+    """gatv2 and constant consume the paper's model's draws first: W of both layers is the paper's, and gatv2's a
+    is the paper's a_1, so a comparison paired by seed differs in the attention alone."""
+    models = {attention: GAT(dataclasses.replace(CONFIG, attention=attention), F_IN, C, seeds=[3, 4])
+              for attention in ("gat", "gatv2", "constant")}
+    for attention in ("gatv2", "constant"):
+        for layer in ("hidden", "output"):
+            assert torch.equal(getattr(models[attention], layer).W, getattr(models["gat"], layer).W), attention
+    assert torch.equal(models["gatv2"].hidden.a, models["gat"].hidden.a_target)
+    assert not torch.equal(models["gatv2"].hidden.W_target, models["gatv2"].hidden.W)
+    assert [name for name, _ in models["constant"].named_parameters()] == \
+        ["hidden.W", "hidden.bias", "output.W", "output.bias"]
+
+
+def test_an_unknown_attention_is_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match="^model.attention must be one of gat, gatv2, constant, got 'gatv3'$"):
+        GAT(dataclasses.replace(CONFIG, attention="gatv3"), F_IN, C, seeds=[1])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("attention", ["gatv2", "constant"])
+def test_a_variants_state_round_trip(graph, attention: str) -> None:
+    x, neighbourhoods = graph
+    config = dataclasses.replace(CONFIG, attention=attention)
+    model = GAT(config, F_IN, C, seeds=[5, 6]).eval()
+    buffer = io.BytesIO()
+    torch.save(model_state(model, F_IN, C, [5, 6]), buffer)
+    buffer.seek(0)
+    restored = model_from_state(torch.load(buffer, weights_only=True))
+    assert restored.config == config and type(restored.hidden) is type(model.hidden)
+    with torch.no_grad():
+        assert torch.equal(restored(x, neighbourhoods), model(x, neighbourhoods))
+
+
+def test_a_state_saved_before_the_attention_key_loads_as_the_papers_model(graph) -> None:
+    x, neighbourhoods = graph
+    model = GAT(CONFIG, F_IN, C, seeds=[5]).eval()
+    state = model_state(model, F_IN, C, [5])
+    del state["config"]["attention"]
+    restored = model_from_state(state)
+    assert restored.config.attention == "gat"
+    assert torch.equal(restored(x, neighbourhoods), model(x, neighbourhoods))
