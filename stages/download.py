@@ -28,6 +28,7 @@ def run() -> None:
     params = load_params()
     settings = params.download
     expected = fetch.pinned(args.dataset)
+    pinned_sizes = fetch.pinned_sizes(args.dataset)
     source = fetch.resolve_source(settings.base_url)
     shown_source = redact(str(source))  # a mirror URL may carry a password
 
@@ -38,7 +39,7 @@ def run() -> None:
         started = time.perf_counter()
         # Any failure removes the staging folder: no partial files, the previous --out untouched.
         with atomic_dir(args.out) as staging:
-            sizes = fetch.fetch(expected, source, staging,
+            sizes = fetch.fetch(expected, source, staging, sizes=pinned_sizes,
                                  timeout_s=settings.timeout_s, retries=settings.retries)
         seconds = time.perf_counter() - started
         mlflow.log_metrics({"total_bytes": sum(sizes.values()), "seconds": seconds})

@@ -2,24 +2,25 @@
 
 For other test modules:
 
-- `planetoid_folder` (session): a `PlanetoidFolder(path, real, checksums)`. The real files
+- `planetoid_folder` (session): a `PlanetoidFolder(path, real, checksums, sizes)`. The real files
   from `../shared/datasets/planetoid` when present, else synthetic cora and citeseer files
-  in the same format. Synthetic files do not match `gat/planetoid.sha256`, so
-  code that verifies against the pinned list needs `planetoid_folder.real` (or a patched
-  `gat.datasets.CHECKSUMS`).
+  in the same format. Synthetic files do not match `gat/planetoid.sha256` and `gat/planetoid.sizes`, so
+  code that verifies against the pinned lists needs `planetoid_folder.real` (or a patched
+  `gat.datasets.CHECKSUMS` and `gat.datasets.SIZES`: `sizes` is a list in that format, of either kind of files).
 - `serve_folder` (function): a factory `serve_folder(folder, faults=None) -> LoopbackServer`
   that serves `folder` on 127.0.0.1 until the test ends. `faults` maps a file name to the
   behaviours of its next requests, one per request (`"503"`, `"404"`, `"truncate"`: a
   body half as long as its Content-Length; `"drip"`: one byte every DRIP_INTERVAL_S, for
   at most DRIP_BYTES bytes, then the connection closes; `"drip-headers"`: the same with the
   status line and headers, which never end; `"redirect-loop"`: a redirect to
-  itself, forever); after those, the file is served normally.
+  itself, forever; `"no-length"`: the body without a Content-Length, ended by closing the connection);
+  after those, the file is served normally.
 - `planetoid_url` (function): the base URL of `planetoid_folder` served that way, e.g.
   for `GAT_DATA_MIRROR`.
 - `paper_protocol` (session): the paper's model and optimiser (a `gat.config.Setup`), read from params.yaml,
   where they are written once (`reproduce.protocol.cora`).
 - `write_synthetic_planetoid(folder, dataset, **layout)`: write one synthetic dataset and
-  refresh `folder/SHA256SUMS`; returns the ground truth as a `SyntheticPlanetoid`.
+  refresh `folder/SHA256SUMS` and `folder/SIZES`; returns the ground truth as a `SyntheticPlanetoid`.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ SYNTHETIC_LAYOUTS = {
 class SyntheticPlanetoid:
     """The ground truth behind synthetic files, in node order.
 
-    Shapes: features: [N, F_in] raw 0/1 counts; labels: [N], -1 for the missing test nodes;
+    Shapes: features: [N, F_in] raw 0/1 counts (or TF-IDF-like weights); labels: [N], -1 for the missing test nodes;
     edges: undirected (i, j) pairs with i < j; train/val/test_idx: sorted node ids.
     """
 
@@ -100,22 +101,33 @@ def _pickle(path: Path, value: object) -> None:
 
 
 def write_checksums(folder: Path) -> dict[str, str]:
-    """(Re)write `folder/SHA256SUMS` over every `ind.*` file there; returns file name -> SHA-256."""
-    checksums = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(folder.glob("ind.*"))}
+    """(Re)write `folder/SHA256SUMS` and `folder/SIZES` over every `ind.*` file there; returns file name -> SHA-256."""
+    paths = sorted(folder.glob("ind.*"))
+    checksums = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in paths}
     (folder / "SHA256SUMS").write_text("".join(f"{digest}  {name}\n" for name, digest in checksums.items()))
+    write_sizes(paths, folder / "SIZES")
     return checksums
+
+
+def write_sizes(paths: list[Path], listing: Path) -> Path:
+    """Write `listing` in gat/planetoid.sizes' format (`<bytes>  <name>`) for the files `paths`; returns it."""
+    listing.write_text("".join(f"{path.stat().st_size}  {path.name}\n" for path in paths))
+    return listing
 
 
 def write_synthetic_planetoid(folder: Path, dataset: str, *, num_classes: int = DATASETS["cora"].num_classes,
                               train_per_class: int = STANDARD_TRAIN_PER_CLASS,
                               num_val: int = STANDARD_VAL_NODES, num_extra: int = 300, num_test: int = 200,
-                              missing_test: int = 0, num_features: int = 150, seed: int = 0) -> SyntheticPlanetoid:
+                              missing_test: int = 0, num_features: int = 150, seed: int = 0,
+                              num_edges: int | None = None, tfidf: bool = False) -> SyntheticPlanetoid:
     """Write `ind.<dataset>.*` in the exact Planetoid format from random ground truth.
 
     Nodes 0..N_all-1 are in allx/ally (the first `num_classes * train_per_class` also in
     x/y, `train_per_class` of each class); the test block follows, in shuffled test.index
     order, with `missing_test` ids in its interior left out as in Citeseer. One allx row is
     all zero, and the adjacency lists hold duplicates and self-loops, as the real ones do.
+    `num_edges`: exactly that many undirected edges between distinct nodes (else about 2 per node);
+    `tfidf`: float weights in (0, 0.2) as Pubmed's rows hold, not 0/1 counts.
     """
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
@@ -129,6 +141,8 @@ def write_synthetic_planetoid(folder: Path, dataset: str, *, num_classes: int = 
     missing = num_all + 1 + rng.choice(span - 2, missing_test, replace=False)
     labels[missing] = -1
     features = (rng.random((num_nodes, num_features)) < 0.05).astype(np.float32)
+    if tfidf:
+        features *= 0.2 * (1 - rng.random((num_nodes, num_features), dtype=np.float32))
     features[missing] = 0
     features[num_train] = 0
     one_hot = np.eye(num_classes, dtype=np.int32)[labels] * (labels >= 0)[:, None]
@@ -144,8 +158,15 @@ def write_synthetic_planetoid(folder: Path, dataset: str, *, num_classes: int = 
     Path(f"{prefix}.test.index").write_text("".join(f"{i}\n" for i in test_index))
 
     present = np.setdiff1d(np.arange(num_nodes), missing)
-    pairs = rng.choice(present, (2 * num_nodes, 2))
-    edges = frozenset((int(min(i, j)), int(max(i, j))) for i, j in pairs if i != j)
+    if num_edges is None:
+        pairs = rng.choice(present, (2 * num_nodes, 2))
+        edges = frozenset((int(min(i, j)), int(max(i, j))) for i, j in pairs if i != j)
+    else:  # distinct pairs of distinct nodes, drawn in one go: a few more than needed, then exactly num_edges
+        pairs = np.sort(rng.choice(present, (num_edges + num_edges // 4 + 100, 2)), axis=1)
+        codes = np.unique((pairs[:, 0] * num_nodes + pairs[:, 1])[pairs[:, 0] != pairs[:, 1]])
+        assert codes.size >= num_edges, "too dense a graph for num_edges"
+        chosen = rng.choice(codes, num_edges, replace=False)
+        edges = frozenset(zip((chosen // num_nodes).tolist(), (chosen % num_nodes).tolist()))
     # Every node has an entry, isolated or not, as in the originals.
     adjacency = collections.defaultdict(list, {node: [] for node in range(num_nodes)})
     for i, j in sorted(edges):
@@ -184,6 +205,7 @@ class PlanetoidFolder:
     path: Path
     real: bool
     checksums: dict[str, str]
+    sizes: Path  # the files' sizes, in gat/planetoid.sizes' format
 
 
 @pytest.fixture(scope="session")
@@ -198,11 +220,13 @@ def paper_protocol() -> Setup:
 @pytest.fixture(scope="session")
 def planetoid_folder(tmp_path_factory: pytest.TempPathFactory) -> PlanetoidFolder:
     if (SHARED_PLANETOID / "SHA256SUMS").is_file():
-        return PlanetoidFolder(SHARED_PLANETOID, True, parse_checksums((SHARED_PLANETOID / "SHA256SUMS").read_text()))
+        sizes = write_sizes(sorted(SHARED_PLANETOID.glob("ind.*")), tmp_path_factory.mktemp("planetoid") / "SIZES")
+        return PlanetoidFolder(SHARED_PLANETOID, True, parse_checksums((SHARED_PLANETOID / "SHA256SUMS").read_text()),
+                               sizes)
     folder = tmp_path_factory.mktemp("planetoid")
     for dataset, layout in SYNTHETIC_LAYOUTS.items():
         write_synthetic_planetoid(folder, dataset, **layout)
-    return PlanetoidFolder(folder, False, parse_checksums((folder / "SHA256SUMS").read_text()))
+    return PlanetoidFolder(folder, False, parse_checksums((folder / "SHA256SUMS").read_text()), folder / "SIZES")
 
 
 # The "drip" fault: far slower than any download should accept, yet each byte comes well within
@@ -256,7 +280,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             body = path.read_bytes()
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(len(body)))
+            if fault != "no-length":
+                self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             if fault == "drip":
                 self._drip(body)

@@ -112,8 +112,9 @@ def copy_project(root: Path, planetoid_folder: PlanetoidFolder) -> None:
             shutil.copy2(REPO / name, root / name)
     (root / "dvc.lock").unlink(missing_ok=True)
     if not planetoid_folder.real:
-        # The pinned checksums are the real files'; synthetic data gets its own pinned list.
+        # The pinned checksums and sizes are the real files'; synthetic data gets its own pinned lists.
         shutil.copy(planetoid_folder.path / "SHA256SUMS", root / "gat/planetoid.sha256")
+        shutil.copy(planetoid_folder.sizes, root / "gat/planetoid.sizes")
 
 
 def clean_env() -> dict[str, str]:

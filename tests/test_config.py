@@ -26,7 +26,8 @@ def test_the_repository_params_load(raw) -> None:
     params = Params.from_dict(raw)
     assert set(params.datasets) <= set(DATASETS)
     assert isinstance(params.train.model, ModelConfig) and isinstance(params.train.optim, OptimConfig)
-    assert set(params.reproduce.protocol) == set(params.datasets)
+    # Every listed dataset has its protocol; Pubmed's is there too, for a user who lists it.
+    assert set(params.reproduce.protocol) == {*params.datasets, "pubmed"}
     assert all(isinstance(setup, Setup) for setup in params.reproduce.protocol.values())
     assert isinstance(params.train.optim.lr, float) and isinstance(params.download.timeout_s, float)  # int -> float
     assert isinstance(params.datasets, tuple)
@@ -108,8 +109,13 @@ def test_an_out_of_range_value_is_named(raw, key: str, value: Any) -> None:
 
 
 def test_a_dataset_outside_the_list_is_named(raw) -> None:
-    assert "pubmed" in _refused(_set(raw, "datasets", ["cora", "pubmed"]), "datasets[1]")
+    assert "reddit" in _refused(_set(raw, "datasets", ["cora", "reddit"]), "datasets[1]")
+    _refused(_set(raw, "train.dataset", "reddit"), "train.dataset")
+    # Pubmed is known and has its protocol block, but `datasets` leaves it out by default.
     _refused(_set(raw, "train.dataset", "pubmed"), "train.dataset")
+    with_pubmed = Params.from_dict(_set(_set(raw, "datasets", ["cora", "citeseer", "pubmed"]), "train.dataset",
+                                        "pubmed"))
+    assert with_pubmed.reproduce.protocol["pubmed"].model.output_heads == 8
     # In DATASETS but not in `datasets`: training it would use data that was never prepared.
     only_cora = _set(raw, "datasets", ["cora"])
     _refused(_set(only_cora, "train.dataset", "citeseer"), "train.dataset")
@@ -157,7 +163,11 @@ def test_the_papers_protocol_is_written_once_and_merged_everywhere(raw) -> None:
     assert text.count("lr: 0.005") == 1 and text.count("hidden_features: 8") == 1
     paper = Setup(ModelConfig(**raw["x-paper-protocol"]["model"]), OptimConfig(**raw["x-paper-protocol"]["optim"]))
     params = Params.from_dict(raw)
-    assert params.train.setup == paper and all(setup == paper for setup in params.reproduce.protocol.values())
+    protocol = params.reproduce.protocol
+    assert params.train.setup == paper and all(setup == paper for name, setup in protocol.items() if name != "pubmed")
+    # Pubmed's, the paper's section 3.3: 8 output heads, lr 0.01, L2 0.001, the rest merged from Cora's.
+    assert protocol["pubmed"] == Setup(dataclasses.replace(paper.model, output_heads=8),
+                                       dataclasses.replace(paper.optim, lr=0.01, weight_decay=0.001))
 
 
 def test_dvc_exp_run_set_param_changes_only_the_block_it_names(tmp_path: Path) -> None:

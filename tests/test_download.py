@@ -28,6 +28,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planetoid_folder: P
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setattr(datasets, "CHECKSUMS", planetoid_folder.path / "SHA256SUMS")
+    monkeypatch.setattr(datasets, "SIZES", planetoid_folder.sizes)
     monkeypatch.setattr(fetch, "BACKOFF_S", 0.0)
     return tmp_path
 

@@ -10,6 +10,7 @@ from typing import Callable
 import pytest
 from conftest import LoopbackServer, PlanetoidFolder
 
+from gat import datasets
 from gat.datasets import file_names
 from stages.support import fetch, redaction
 from stages.support.files import atomic_dir
@@ -23,9 +24,16 @@ def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fetch, "BACKOFF_S", 0.0)
 
 
+@pytest.fixture(autouse=True)
+def pinned_sizes(monkeypatch: pytest.MonkeyPatch, planetoid_folder: PlanetoidFolder) -> None:
+    """The folder's file sizes pinned, as its checksums are in `_expected`."""
+    monkeypatch.setattr(datasets, "SIZES", planetoid_folder.sizes)
+
+
 def _fetch_into(out: Path, source: str | Path, expected: dict[str, str], retries: int = 2) -> dict[str, int]:
     with atomic_dir(out) as staging:
-        return fetch.fetch(expected, source, staging, timeout_s=5, retries=retries)
+        return fetch.fetch(expected, source, staging, sizes=datasets.pinned_sizes(expected), timeout_s=5,
+                           retries=retries)
 
 
 def _expected(planetoid_folder: PlanetoidFolder) -> dict[str, str]:
@@ -175,6 +183,7 @@ def test_a_mirror_password_is_sent_but_never_shown(
     with pytest.raises(StageError) as error:
         with atomic_dir(tmp_path / "cora") as staging:
             fetch.fetch(_expected(planetoid_folder) | (expected or {}), _with_password(server.base_url), staging,
+                        sizes=datasets.pinned_sizes(NAMES),
                          timeout_s=0.5, retries=2)
     message = str(error.value)
     assert "s3cr" not in message and "mirror-user:***@127.0.0.1" in message
@@ -201,7 +210,8 @@ def test_a_dripping_server_fails_at_once_leaving_nothing(
     message = r"downloading http://127\.0\.0\.1:\d+/data/ind\.cora\.x too slowly: " + TOO_SLOW[fault]
     with pytest.raises(StageError, match=message):
         with atomic_dir(tmp_path / "cora") as staging:
-            fetch.fetch(_expected(planetoid_folder), server.base_url, staging, timeout_s=0.3, retries=2)
+            fetch.fetch(_expected(planetoid_folder), server.base_url, staging, sizes=datasets.pinned_sizes(NAMES),
+                        timeout_s=0.3, retries=2)
     assert server.requests.count("ind.cora.x") == 1
     assert list(tmp_path.iterdir()) == []
 
@@ -223,3 +233,78 @@ def test_an_unparsable_url_is_refused_at_once_without_its_password(planetoid_fol
     with pytest.raises(StageError, match=message) as error:
         _fetch_into(tmp_path / "cora", "http://user:s3cret@host:99999/data", _expected(planetoid_folder))
     assert "s3cret" not in str(error.value)
+
+
+def _pin_size(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, planetoid_folder: PlanetoidFolder, name: str,
+              change: int) -> tuple[int, int]:
+    """Pin `name` at its real size + `change` (a list of the test's own); returns (real, pinned) size."""
+    sizes = datasets.parse_sizes(planetoid_folder.sizes.read_text())
+    real = sizes[name]
+    listing = tmp_path / "SIZES"
+    listing.write_text("".join(f"{size + change * (file == name)}  {file}\n" for file, size in sizes.items()))
+    monkeypatch.setattr(datasets, "SIZES", listing)
+    return real, real + change
+
+
+def _never_hashed(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Hashing `name` fails the test: its size is refused first."""
+    sha256_file = fetch.sha256_file
+
+    def hashed(path: Path) -> str:
+        assert path.name not in (name, f"{name}.part"), f"{path} was hashed, though its size is not the pinned one"
+        return sha256_file(path)
+
+    monkeypatch.setattr(fetch, "sha256_file", hashed)
+
+
+def test_an_announced_size_other_than_the_pinned_one_is_refused_at_once(
+        planetoid_folder: PlanetoidFolder, serve_folder: Callable[..., LoopbackServer], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    real, pinned = _pin_size(monkeypatch, tmp_path, planetoid_folder, "ind.cora.x", -1)
+    _never_hashed(monkeypatch, "ind.cora.x")
+    server = serve_folder(planetoid_folder.path)
+    message = rf"^ind\.cora\.x: {real:,} bytes, but {pinned:,} are pinned \(gat/planetoid\.sizes\)\..*GAT_DATA_MIRROR"
+    with pytest.raises(StageError, match=message):
+        _fetch_into(tmp_path / "cora", server.base_url, _expected(planetoid_folder), retries=3)
+    assert server.requests == ["ind.cora.x"]  # not retried
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["SIZES"]
+
+
+def test_a_body_without_length_that_runs_past_the_pinned_size_is_cut_off(
+        planetoid_folder: PlanetoidFolder, serve_folder: Callable[..., LoopbackServer], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _, pinned = _pin_size(monkeypatch, tmp_path, planetoid_folder, "ind.cora.tx", -1000)
+    _never_hashed(monkeypatch, "ind.cora.tx")
+    server = serve_folder(planetoid_folder.path, faults={"ind.cora.tx": ["no-length"]})
+    with pytest.raises(StageError, match=rf"^ind\.cora\.tx: more than the pinned {pinned:,} bytes \(cut off after "
+                                         rf"{pinned + 1:,};"):
+        _fetch_into(tmp_path / "cora", server.base_url, _expected(planetoid_folder), retries=3)
+    assert server.requests.count("ind.cora.tx") == 1
+    assert not (tmp_path / "cora").exists()
+
+
+def test_a_body_without_length_of_the_pinned_size_is_accepted(
+        planetoid_folder: PlanetoidFolder, serve_folder: Callable[..., LoopbackServer], tmp_path: Path) -> None:
+    server = serve_folder(planetoid_folder.path, faults={name: ["no-length"] for name in NAMES})
+    sizes = _fetch_into(tmp_path / "cora", server.base_url, _expected(planetoid_folder))
+    assert sizes == {name: (planetoid_folder.path / name).stat().st_size for name in NAMES}
+
+
+def test_a_body_without_length_short_of_the_pinned_size_is_retried(
+        planetoid_folder: PlanetoidFolder, serve_folder: Callable[..., LoopbackServer], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a Content-Length, a body cut short by the network looks like this: worth another attempt."""
+    real, pinned = _pin_size(monkeypatch, tmp_path, planetoid_folder, "ind.cora.y", 10)
+    server = serve_folder(planetoid_folder.path, faults={"ind.cora.y": ["no-length"] * 2})
+    with pytest.raises(StageError, match=rf"after 2 attempts \(received {real} of the pinned {pinned} bytes\)"):
+        _fetch_into(tmp_path / "cora", server.base_url, _expected(planetoid_folder), retries=1)
+    assert server.requests.count("ind.cora.y") == 2
+
+
+def test_a_local_file_of_another_size_is_refused_before_copying(
+        planetoid_folder: PlanetoidFolder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real, pinned = _pin_size(monkeypatch, tmp_path, planetoid_folder, "ind.cora.graph", 1)
+    _never_hashed(monkeypatch, "ind.cora.graph")
+    with pytest.raises(StageError, match=rf"^ind\.cora\.graph: {real:,} bytes, but {pinned:,} are pinned"):
+        _fetch_into(tmp_path / "cora", planetoid_folder.path, _expected(planetoid_folder))
+    assert not (tmp_path / "cora").exists()

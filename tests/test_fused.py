@@ -129,6 +129,33 @@ def test_adam_steps_follow_the_torch_path_on_cora(cora: GraphTensors, paper_prot
         torch.testing.assert_close(q, p.detach(), rtol=0, atol=1e-5, msg=name)
 
 
+def test_pubmed_protocol_eight_output_heads_equal_the_torch_path() -> None:
+    """Pubmed's protocol (params.yaml: 8 output heads averaged, lr 0.01, L2 0.001) on a tiny 3-class graph: the fused
+    step, validation pass and Adam steps agree with the torch path, so the stage trains Pubmed with the fused kernel."""
+    from stages.support.params import load_params
+
+    pubmed = load_params(REPO / "params.yaml").reproduce.protocol["pubmed"]
+    model_config, optim = pubmed.model, pubmed.optim
+    assert (model_config.output_heads, optim.lr, optim.weight_decay, optim.kernel) == (8, 0.01, 0.001, "fused")
+    graph = GraphTensors.from_graph(random_graph(num_nodes=90, num_features=40, num_classes=3, edges=300, seed=5))
+    seeds = [0, 1]
+    assert fused.unsupported((model_config.hidden_features, graph.num_classes)) is None
+    lib = fused.library()
+    reference = GAT(model_config, graph.x.num_features, graph.num_classes, seeds)
+    train_view, val_view = (NodeView.of(graph, nodes, 2) for nodes in (graph.train_idx, graph.val_idx))
+    check_step(lib, reference, train_view, ReplicaDropout(seeds, model_config.dropout), "Pubmed's 8 output heads")
+    check_validation(lib, reference, val_view, "Pubmed's 8 output heads")
+    model = copy.deepcopy(reference)
+    optimiser = torch.optim.Adam(reference.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+    trainer = fused.FusedTrainer(model, optim.lr, optim.weight_decay, train_view, val_view)
+    noise, fused_noise = ReplicaDropout(seeds, model_config.dropout), ReplicaDropout(seeds, model_config.dropout)
+    for _ in range(5):
+        loss, _ = train_step(reference, optimiser, train_view, noise)
+        torch.testing.assert_close(trainer.step(fused_noise)[0], loss, rtol=0, atol=1e-5)
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q, p.detach(), rtol=0, atol=1e-5, msg=name)
+
+
 FAST = OptimConfig(lr=0.2, weight_decay=5e-4, max_epochs=30, patience=5, kernel="fused")  # replicas stop apart
 SMALL = ModelConfig(hidden_features=8, heads=8, output_heads=1, dropout=0.6, leaky_relu_negative_slope=0.2)
 SEEDS = [3, 7, 11, 5]

@@ -32,10 +32,11 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planetoid_folder: P
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setattr(datasets, "CHECKSUMS", planetoid_folder.path / "SHA256SUMS")
+    monkeypatch.setattr(datasets, "SIZES", planetoid_folder.sizes)
     raw = tmp_path / "data/raw/cora"
     raw.mkdir(parents=True)
     expected = datasets.DATASETS["cora"].checksums()
-    fetch.fetch(expected, planetoid_folder.path, raw, timeout_s=5, retries=0)
+    fetch.fetch(expected, planetoid_folder.path, raw, sizes=datasets.DATASETS["cora"].sizes(), timeout_s=5, retries=0)
     return tmp_path
 
 

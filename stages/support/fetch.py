@@ -5,7 +5,8 @@ or a local folder (a path, relative to the repository root, or a file:// URL).
 Transient failures (connection errors, timeouts, truncated bodies, HTTP 5xx) are
 retried with exponential backoff; a 4xx, a redirect loop, a transfer slower than
 MIN_RATE_BYTES_S, response headers that take over 2 x timeout_s + 1 s (a server that trickles
-them), or a checksum mismatch fails at once.
+them), a size other than the pinned one (gat/planetoid.sizes: announced, or a body that runs past it, which is cut
+off there) or a checksum mismatch fails at once.
 
 A mirror URL may carry credentials (`https://user:password@host/...`): requests sends
 them, but every message, log line and MLflow param shows the URL through `redact` (stages.support.redaction).
@@ -31,7 +32,7 @@ from tqdm import tqdm
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from gat.datasets import DATASETS, ChecksumError, check_sha256, verify_raw
+from gat.datasets import DATASETS, ChecksumError, check_sha256, check_size, verify_raw
 from stages.support.params import fail, repo_root
 from stages.support.redaction import redact, redact_text
 
@@ -44,8 +45,8 @@ _CHUNK = 1 << 16
 # A file may take download.timeout_s plus one second per this many bytes received; a slower
 # transfer (a server that drips a byte at a time never trips the per-read timeout) fails at
 # once, not retried: it has had its whole allowance, and retries would multiply the wait the
-# deadline exists to bound. 4 KiB/s gives the largest file (Citeseer's allx, 581 KiB) 145 s
-# on top of timeout_s, enough for a poor link.
+# deadline exists to bound. 4 KiB/s gives Citeseer's allx (581 KiB) 145 s
+# on top of timeout_s, enough for a poor link; Pubmed's allx (7.2 MiB) gets 31 minutes.
 MIN_RATE_BYTES_S = 4 * 1024
 
 
@@ -63,6 +64,14 @@ def pinned(dataset: str) -> dict[str, str]:
     """File name -> pinned SHA-256 of `dataset`'s eight raw files (gat.datasets), or a StageError saying what to pin."""
     try:
         return DATASETS[dataset].checksums()
+    except ChecksumError as error:
+        fail(str(error))
+
+
+def pinned_sizes(dataset: str) -> dict[str, int]:
+    """File name -> pinned size in bytes of `dataset`'s eight raw files (gat.datasets), or a StageError."""
+    try:
+        return DATASETS[dataset].sizes()
     except ChecksumError as error:
         fail(str(error))
 
@@ -163,7 +172,8 @@ def _headers_deadline(sockets: _Sockets, url: str, timeout_s: float) -> Iterator
              f"Raise download.timeout_s in params.yaml, or set {MIRROR_ENV} to a faster mirror or a local folder.")
 
 
-def _get_once(session: requests.Session, sockets: _Sockets, url: str, target: Path, timeout_s: float) -> int:
+def _get_once(session: requests.Session, sockets: _Sockets, url: str, target: Path, size: int,
+              timeout_s: float) -> int:
     # identity: the checksums pin the bytes on the wire, and Content-Length then counts them.
     with _headers_deadline(sockets, url, timeout_s):
         response = session.get(url, stream=True, timeout=timeout_s, headers={"Accept-Encoding": "identity"})
@@ -174,6 +184,8 @@ def _get_once(session: requests.Session, sockets: _Sockets, url: str, target: Pa
             fail(f"HTTP {response.status_code} {response.reason} for {redact(url)} (not retried): the file is not "
                  f"there; check download.base_url in params.yaml or {MIRROR_ENV}.")
         announced = response.headers.get("Content-Length")
+        if announced is not None:  # another file: refused before its body is read
+            check_size(target.stem, int(announced), size)
         received = 0
         started = time.monotonic()
         with open(target, "wb") as handle, tqdm(total=int(announced) if announced else None, unit="B",
@@ -181,16 +193,22 @@ def _get_once(session: requests.Session, sockets: _Sockets, url: str, target: Pa
                                                 leave=False, disable=None) as bar:
             # read1 returns whatever one socket read brings, so the rate is checked at least once per
             # timeout_s; iter_content would wait for a whole chunk, a day at one byte per second.
-            while chunk := response.raw.read1(_CHUNK, decode_content=True):
+            # At most one byte past the pinned size: a body without Content-Length that runs on is cut off there.
+            while chunk := response.raw.read1(min(_CHUNK, size + 1 - received), decode_content=True):
                 handle.write(chunk)
                 received += len(chunk)
                 bar.update(len(chunk))
                 elapsed = time.monotonic() - started
                 if elapsed > timeout_s + received / MIN_RATE_BYTES_S:
                     _too_slow(url, received, announced, elapsed)
+                if received > size:
+                    raise ChecksumError(f"{target.stem}: more than the pinned {size:,} bytes (cut off after "
+                                        f"{received:,}; gat/planetoid.sizes).")
     # urllib3 already raises on a short read; this also covers a transport that does not.
     if announced is not None and received != int(announced):
         raise _Transient(f"received {received} of {announced} bytes")
+    if received < size:  # no Content-Length: a connection cut short looks like this
+        raise _Transient(f"received {received} of the pinned {size} bytes")
     return received
 
 
@@ -201,11 +219,11 @@ _TRANSIENT = (requests.ConnectionError, requests.Timeout, requests.exceptions.Ch
               _Transient)
 
 
-def _download(session: requests.Session, sockets: _Sockets, url: str, target: Path, timeout_s: float,
+def _download(session: requests.Session, sockets: _Sockets, url: str, target: Path, size: int, timeout_s: float,
               retries: int) -> int:
     for attempt in range(retries + 1):
         try:
-            return _get_once(session, sockets, url, target, timeout_s)
+            return _get_once(session, sockets, url, target, size, timeout_s)
         except requests.TooManyRedirects:
             fail(f"{redact(url)} redirects in a loop (more than {session.max_redirects} redirects; not retried): "
                  f"check download.base_url in params.yaml or {MIRROR_ENV}, and open the URL in a browser "
@@ -222,38 +240,42 @@ def _download(session: requests.Session, sockets: _Sockets, url: str, target: Pa
          "to a mirror.")
 
 
-def fetch(expected: Mapping[str, str], source: str | Path, dest: Path, *, timeout_s: float,
+def fetch(expected: Mapping[str, str], source: str | Path, dest: Path, *, sizes: Mapping[str, int], timeout_s: float,
           retries: int) -> dict[str, int]:
     """Fetch each file named in `expected` (file name -> SHA-256) from `source` into `dest`.
 
+    `sizes`: file name -> pinned size in bytes, checked before the checksum (a body that runs past it is cut off).
     Returns file name -> bytes.
 
-    Each file is written to a `.part` sibling and renamed only once its checksum
-    matches, so `dest` never holds an unverified file under its real name.
+    Each file is written to a `.part` sibling and renamed only once its size and checksum
+    match, so `dest` never holds an unverified file under its real name.
     """
     fix = (f"{redact(str(source))} serves other bytes than the canonical file: if {MIRROR_ENV} is set, check the "
            "mirror's contents or unset it; if not, the file at download.base_url has changed and needs review.")
-    sizes = {}
+    received = {}
     sockets = _Sockets()
     with sockets.session() as session:
         for name in expected:
             part = dest / f"{name}.part"
             try:
-                if isinstance(source, Path):
-                    if not (source / name).is_file():
-                        fail(f"{source / name} is missing from the {MIRROR_ENV} folder; add it or unset {MIRROR_ENV}.")
-                    shutil.copyfile(source / name, part)
-                    sizes[name] = part.stat().st_size
-                else:
-                    sizes[name] = _download(session, sockets, f"{source}/{name}", part, timeout_s, retries)
                 try:
+                    if isinstance(source, Path):
+                        if not (source / name).is_file():
+                            fail(f"{source / name} is missing from the {MIRROR_ENV} folder; add it or unset "
+                                 f"{MIRROR_ENV}.")
+                        check_size(name, (source / name).stat().st_size, sizes[name])
+                        shutil.copyfile(source / name, part)
+                    else:
+                        _download(session, sockets, f"{source}/{name}", part, sizes[name], timeout_s, retries)
+                    received[name] = part.stat().st_size
+                    check_size(name, received[name], sizes[name])  # the file may have changed while copied
                     check_sha256(name, sha256_file(part), expected[name])
                 except ChecksumError as error:
                     fail(f"{error} {fix}")
                 part.rename(dest / name)
             finally:
                 part.unlink(missing_ok=True)
-    return sizes
+    return received
 
 
 def read_verified(folder: Path, expected: Mapping[str, str], producer: str) -> dict[str, bytes]:

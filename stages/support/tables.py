@@ -5,6 +5,8 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Sequence
 
+from gat.datasets import Dataset
+
 HEADER = ("| dataset | seeds | test accuracy, mean ± std | 95% CI of the mean | min – max | paper (GAT) "
           "| mean inside the paper's ± std? | epochs to stop, mean (min – max) |\n"
           "|---|---|---|---|---|---|---|---|\n")
@@ -30,13 +32,20 @@ def dataset_row(s: dict) -> str:
             f"| {epochs['mean']:.0f} ({epochs['min']:.0f} – {epochs['max']:.0f}) |\n")
 
 
+def not_run_row(dataset: Dataset) -> str:
+    """The row of a dataset without a reproduction here: the paper's figure alone."""
+    paper = dataset.paper
+    return (f"| {dataset.name} | – | not run here | – | – | {pct(paper.mean)} ± {pct(paper.std)} % | – | – |\n")
+
+
 def validation_row(s: dict) -> str:
     return f"| {s['dataset']} | {s['seeds']} | {_spread(s['val'])} |\n"
 
 
-def tables(summaries: list[dict]) -> str:
-    """Test accuracy beside the paper, then validation accuracy, one row per dataset."""
-    return (HEADER + "".join(map(dataset_row, summaries)) + "\n"
+def tables(summaries: list[dict], not_run: Sequence[Dataset] = ()) -> str:
+    """Test accuracy beside the paper, then validation accuracy, one row per dataset; `not_run` datasets have a
+    test row with the paper's figure alone."""
+    return (HEADER + "".join(map(dataset_row, summaries)) + "".join(map(not_run_row, not_run)) + "\n"
             + VALIDATION_HEADER + "".join(map(validation_row, summaries)))
 
 
