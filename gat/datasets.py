@@ -105,10 +105,10 @@ def pinned_checksums(names: Iterable[str] | None = None) -> dict[str, str]:
     return {name: checksums[name] for name in names}
 
 
-def check_sha256(name: str, actual: str, expected: str) -> None:
-    """The one checksum check: ChecksumError naming `name` unless `actual` is the pinned `expected`."""
+def check_sha256(name: str, actual: str, expected: str, pinned_in: str = "gat/planetoid.sha256") -> None:
+    """The one checksum check: ChecksumError naming `name` unless `actual` is the `expected` pinned in `pinned_in`."""
     if actual != expected:
-        raise ChecksumError(f"{name}: SHA-256 is {actual}, but {expected} is pinned (gat/planetoid.sha256).")
+        raise ChecksumError(f"{name}: SHA-256 is {actual}, but {expected} is pinned ({pinned_in}).")
 
 
 def verify_raw(raw: Mapping[str, bytes], expected: Mapping[str, str], where: str = "") -> None:
