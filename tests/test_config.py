@@ -26,7 +26,8 @@ def test_the_repository_params_load(raw) -> None:
     params = Params.from_dict(raw)
     assert set(params.datasets) <= set(DATASETS)
     assert isinstance(params.train.model, ModelConfig) and isinstance(params.train.optim, OptimConfig)
-    assert set(params.reproduce.protocol) == set(params.datasets)
+    # A block for each listed dataset, and for each example graph of `graphs`, ready to be listed.
+    assert set(params.reproduce.protocol) == set(params.datasets) | set(params.graphs)
     assert all(isinstance(setup, Setup) for setup in params.reproduce.protocol.values())
     assert isinstance(params.train.optim.lr, float) and isinstance(params.download.timeout_s, float)  # int -> float
     assert isinstance(params.datasets, tuple)
