@@ -8,6 +8,7 @@ does work, and every error names the dotted key (`train.lr`) and what would fix 
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
@@ -91,6 +92,33 @@ class DownloadParams:
                f"must be an http(s) URL, got {self.base_url!r}")
         _in_range(self.timeout_s, f"{p}.timeout_s", 0, 3600, low_open=True)
         _in_range(self.retries, f"{p}.retries", 0, 20)
+
+
+# A graph's name becomes a folder (data/raw/<name>) and a DVC stage name (download@<name>).
+_GRAPH_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class GraphSource:
+    """One npz graph of `graphs:` (the format of Shchur et al.'s "Pitfalls of GNN Evaluation"): where it is, the
+    SHA-256 of its bytes (required for a local path too, so that a changed file is noticed and DVC reruns), and
+    the seed of its split (20 training and 30 validation nodes per class, the rest test; see gat.npz)."""
+
+    source: str
+    sha256: str
+    split_seed: int
+
+    @property
+    def is_url(self) -> bool:
+        return self.source.startswith(("http://", "https://"))
+
+    def validate(self, p: str) -> None:
+        _check(bool(self.source.strip()), f"{p}.source", "must be an http(s) URL or a file path, got ''")
+        _check(self.is_url or "://" not in self.source, f"{p}.source",
+               f"must be an http(s) URL or a file path, got {self.source!r}")
+        _check(re.fullmatch(r"[0-9a-f]{64}", self.sha256) is not None, f"{p}.sha256",
+               f"must be 64 lowercase hex digits (`sha256sum <file>` prints them), got {self.sha256!r}")
+        _in_range(self.split_seed, f"{p}.split_seed", 0, 2**32 - 1)  # numpy's default_rng takes any; kept printable
 
 
 @dataclass(frozen=True)
@@ -244,9 +272,6 @@ class ReproduceParams:
         _in_range(self.first_seed, f"{p}.first_seed", 0, 2**62)
         _in_range(self.seeds_per_batch, f"{p}.seeds_per_batch", 1, 1024)
         _in_range(self.workers, f"{p}.workers", 0, 1024)
-        for name in self.protocol:
-            _check(name in DATASETS, f"{p}.protocol.{name}",
-                   f"is not a dataset; the datasets are: {', '.join(DATASETS)}")
 
 
 # The attention the ablation compares every variant with: the paper's.
@@ -268,8 +293,7 @@ class AblationParams:
 
     def validate(self, p: str) -> None:
         _check(len(self.datasets) > 0, f"{p}.datasets", "must list at least one dataset")
-        for i, name in enumerate(self.datasets):
-            _check(name in DATASETS, f"{p}.datasets[{i}]", f"must be one of {', '.join(DATASETS)}, got {name!r}")
+        # Each must have a `reproduce.protocol` block, which Params.validate checks (a Planetoid dataset or a graph).
         _check(len(set(self.datasets)) == len(self.datasets), f"{p}.datasets", "lists a dataset twice")
         _check(BASELINE_ATTENTION in self.variants, f"{p}.variants",
                f"must include `{BASELINE_ATTENTION}`, the baseline every variant is compared with, got "
@@ -300,6 +324,7 @@ class Params:
     """The whole of params.yaml."""
 
     datasets: tuple[str, ...]
+    graphs: dict[str, GraphSource]
     download: DownloadParams
     preprocess: PreprocessParams
     train: TrainParams
@@ -309,8 +334,15 @@ class Params:
 
     def validate(self, p: str) -> None:
         _check(len(self.datasets) > 0, "datasets", "must list at least one dataset")
+        for name in self.graphs:
+            _check(name not in DATASETS, f"graphs.{name}",
+                   f"is also a Planetoid dataset ({', '.join(DATASETS)}); give the npz graph another name")
+            _check(_GRAPH_NAME.fullmatch(str(name)) is not None, f"graphs.{name}",
+                   "must be a name of lowercase letters, digits, `_` and `-` (it names data/raw/<name>)")
+        known = [*DATASETS, *self.graphs]
         for i, name in enumerate(self.datasets):
-            _check(name in DATASETS, f"datasets[{i}]", f"must be one of {', '.join(DATASETS)}, got {name!r}")
+            _check(name in known, f"datasets[{i}]",
+                   f"must be a Planetoid dataset or a key of `graphs` ({', '.join(known)}), got {name!r}")
         _check(len(set(self.datasets)) == len(self.datasets), "datasets", "lists a dataset twice")
         _check(self.train.dataset in self.datasets, "train.dataset",
                f"must be one of `datasets` ({', '.join(self.datasets)}), got {self.train.dataset!r}")
@@ -321,6 +353,13 @@ class Params:
             _check(name in self.reproduce.protocol, f"ablation.datasets[{i}]",
                    f"is {name!r}, which has no `reproduce.protocol.{name}` block: the ablation runs each dataset's "
                    "protocol; add the block, or drop the dataset")
+        for name in self.reproduce.protocol:
+            _check(name in known, f"reproduce.protocol.{name}",
+                   f"is not a dataset; the datasets are Planetoid's and the keys of `graphs`: {', '.join(known)}")
+
+    def graph(self, name: str) -> GraphSource | None:
+        """The npz graph `name` of `graphs:`, or None for a Planetoid dataset."""
+        return self.graphs.get(name)
 
     @classmethod
     def from_dict(cls, raw: Any) -> "Params":

@@ -129,10 +129,10 @@ def pinned_sizes(names: Iterable[str] | None = None) -> dict[str, int]:
     return _only(parse_sizes(SIZES.read_text()), names, SIZES, "sizes there (`stat -c '%s  %n'` format)")
 
 
-def check_sha256(name: str, actual: str, expected: str) -> None:
-    """The one checksum check: ChecksumError naming `name` unless `actual` is the pinned `expected`."""
+def check_sha256(name: str, actual: str, expected: str, pinned_in: str = "gat/planetoid.sha256") -> None:
+    """The one checksum check: ChecksumError naming `name` unless `actual` is the `expected` pinned in `pinned_in`."""
     if actual != expected:
-        raise ChecksumError(f"{name}: SHA-256 is {actual}, but {expected} is pinned (gat/planetoid.sha256).")
+        raise ChecksumError(f"{name}: SHA-256 is {actual}, but {expected} is pinned ({pinned_in}).")
 
 
 def check_size(name: str, actual: int, expected: int) -> None:

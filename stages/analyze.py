@@ -61,7 +61,7 @@ def run() -> None:
     args = parser.parse_args()
     params = load_params()
     settings, dataset = params.analyze, params.train.dataset
-    graph, _meta = load_prepared(args.data, dataset)
+    graph, meta = load_prepared(args.data, dataset)
     state, model = load_model(args.train)
     trained = load_json(args.train / "run.json", "train", {key: RUN_JSON[key] for key in ("run_id", "best_epoch")})
     with require(args.train / "history.csv", "train").open() as handle:
@@ -89,7 +89,7 @@ def run() -> None:
     # last-bit difference into another map. This float64 pass gives the same bytes everywhere.
     inside = portable_inspect(model, tensors.x, tensors.neighbourhoods)
     predicted = torch.tensor(every_node, dtype=torch.int64)  # the evaluate stage's, not a second evaluation
-    names = class_names(dataset, graph.num_classes)
+    names = class_names(dataset, graph.num_classes, meta)
 
     # 1. Attention entropy per layer and head, against uniform attention over the same neighbourhoods.
     entropy = [attention_entropy(alpha[:, 0], tensors.neighbourhoods).numpy() for alpha in inside.attention]

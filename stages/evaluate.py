@@ -36,7 +36,7 @@ def run() -> None:
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     dataset = load_params().train.dataset
-    graph, _meta = load_prepared(args.data, dataset)
+    graph, meta = load_prepared(args.data, dataset)
     _state, model = load_model(args.train)
     # model_uri checked on its own: a run.json without it comes from an older train stage, not a damaged one.
     written_by_any_version = {key: kind for key, kind in RUN_JSON.items() if key != "model_uri"}
@@ -50,7 +50,7 @@ def run() -> None:
     every_node = result.predicted[:, 0].numpy()
     actual, predicted = tensors.labels[tensors.test_idx].numpy(), every_node[tensors.test_idx.numpy()]
     classes = list(range(graph.num_classes))
-    names = class_names(dataset, graph.num_classes)
+    names = class_names(dataset, graph.num_classes, meta)
     precision, recall, f1, support = precision_recall_fscore_support(actual, predicted, labels=classes,
                                                                      zero_division=0)
     # Exactly what the UI's runs table shows: the restored checkpoint's figures, few and short-named. This stage

@@ -48,13 +48,18 @@ def run() -> None:
         "over 100 runs. The std is the sample std; the 95% CI of the mean uses Student's t."
         + (f" Not run here: {', '.join(dataset.name for dataset in not_run)} (not in params.yaml's `datasets`; "
            "see the README's \"Pubmed\"): the table gives the paper's figure alone." if not_run else "") + "\n\n"
+        + "".join(f"{s['dataset']} is a graph of `graphs` in params.yaml, with the seeded split of Shchur et al. "
+                  "(2018), 20 training and 30 validation nodes per class: the paper has no result for it.\n\n"
+                  for s in summaries if s["paper"] is None)
         + tables(summaries, not_run)
         + "\nPer-seed results: `data/reproduce/<dataset>/seeds.csv`; histograms: `dvc plots show` or the "
         "MLflow parent run of each dataset in the `gat-repro-reproduce` experiment.\n"))
     write_json(args.metrics, {s["dataset"]: metrics(s) for s in summaries})
     for s in summaries:
+        paper = (f"paper {pct(s['paper']['mean'])} ± {pct(s['paper']['std'])} %" if s["paper"]
+                 else "no published result")
         print(f"{s['dataset']}: {pct(s['test']['mean'])} ± {pct(s['test']['std'])} % over {s['seeds']} seeds, "
-              f"paper {pct(s['paper']['mean'])} ± {pct(s['paper']['std'])} % -> {args.markdown}")
+              f"{paper} -> {args.markdown}")
 
 
 if __name__ == "__main__":

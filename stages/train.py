@@ -31,7 +31,8 @@ from stages.support.interrupts import main
 from stages.support.params import ArgumentParser, device_for, fail, load_params
 from stages.support.progress import Progress
 from stages.support.store import NOTE, TRAIN_EXPERIMENT, model_name
-from stages.support.tracking import EpochLogger, describe_run, log_dataset, logged_params, stage_run, standard_tags
+from stages.support.tracking import (EpochLogger, describe_run, log_dataset, logged_params, split_seed, stage_run,
+                                     standard_tags)
 
 GIB = 2**30
 # The logged model's code, which MLflow copies into the model and runs when it loads it.
@@ -100,15 +101,17 @@ def run() -> None:
         fail(f"{memory_problem(settings.model, 'train.model', sizes, settings.dataset, device)}.")
     tensors = GraphTensors.from_graph(graph, device)
 
-    tags = standard_tags(settings.dataset, meta["source_sha256"])
+    tags = standard_tags(settings.dataset, meta["source_sha256"], split_seed(meta))
     run_name = f"{settings.dataset}-{tags.get('dvc_exp_name', f'seed{settings.seed}')}"
-    logged = logged_params(params, "train")  # every value that shapes this run, the data's too
+    logged = logged_params(params, "train", settings.dataset)  # every value that shapes this run, the data's too
     tags[NOTE] = describe_run(f"GAT trained on {settings.dataset} with seed {settings.seed} (stages train and "
                               "evaluate): the metrics are the restored checkpoint's; `epoch_*` are the per-epoch "
                               f"curves; the model is `{model_name(settings.dataset)}`.", logged)
     with stage_run(TRAIN_EXPERIMENT, run_name, tags) as active:
         mlflow.log_params(logged)
-        log_dataset(settings.dataset, redact(params.download.base_url), meta["source_sha256"], context="training")
+        graph_source = params.graph(settings.dataset)
+        log_dataset(settings.dataset, redact(params.download.base_url if graph_source is None else graph_source.source),
+                    meta["source_sha256"], context="training")
         history: list[dict] = []
         with Progress(f"train {settings.dataset}", "epochs") as progress, \
                 EpochLogger(active.info.run_id) as logger:

@@ -26,8 +26,8 @@ def test_the_repository_params_load(raw) -> None:
     params = Params.from_dict(raw)
     assert set(params.datasets) <= set(DATASETS)
     assert isinstance(params.train.model, ModelConfig) and isinstance(params.train.optim, OptimConfig)
-    # Every listed dataset has its protocol; Pubmed's is there too, for a user who lists it.
-    assert set(params.reproduce.protocol) == {*params.datasets, "pubmed"}
+    # A block for each listed dataset, for Pubmed (ready to be listed), and for each example graph of `graphs`.
+    assert set(params.reproduce.protocol) == {*params.datasets, "pubmed", *params.graphs}
     assert all(isinstance(setup, Setup) for setup in params.reproduce.protocol.values())
     assert isinstance(params.train.optim.lr, float) and isinstance(params.download.timeout_s, float)  # int -> float
     assert isinstance(params.datasets, tuple)

@@ -32,11 +32,17 @@ from tqdm import tqdm
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
+from gat.config import GraphSource, Params
 from gat.datasets import DATASETS, ChecksumError, check_sha256, check_size, verify_raw
 from stages.support.params import fail, repo_root
 from stages.support.redaction import redact, redact_text
 
 MIRROR_ENV = "GAT_DATA_MIRROR"
+# What a failed Planetoid download tells the user to check.
+_PLANETOID_SETTING = f"download.base_url in params.yaml or {MIRROR_ENV}"
+
+# The one file of an npz graph (params.yaml's `graphs`) in data/raw/<name>/, whatever its source calls it.
+GRAPH_FILE = "graph.npz"
 
 # Seconds before retry k is BACKOFF_S * 2**k; tests set it to 0.
 BACKOFF_S = 0.5
@@ -172,8 +178,9 @@ def _headers_deadline(sockets: _Sockets, url: str, timeout_s: float) -> Iterator
              f"Raise download.timeout_s in params.yaml, or set {MIRROR_ENV} to a faster mirror or a local folder.")
 
 
-def _get_once(session: requests.Session, sockets: _Sockets, url: str, target: Path, size: int,
-              timeout_s: float) -> int:
+def _get_once(session: requests.Session, sockets: _Sockets, url: str, target: Path, size: int | None,
+              timeout_s: float, setting: str = _PLANETOID_SETTING) -> int:
+    """`size`: the pinned bytes (None: not pinned, an npz graph, pinned by its SHA-256 alone)."""
     # identity: the checksums pin the bytes on the wire, and Content-Length then counts them.
     with _headers_deadline(sockets, url, timeout_s):
         response = session.get(url, stream=True, timeout=timeout_s, headers={"Accept-Encoding": "identity"})
@@ -182,9 +189,9 @@ def _get_once(session: requests.Session, sockets: _Sockets, url: str, target: Pa
             raise _Transient(f"HTTP {response.status_code} {response.reason}")
         if response.status_code != 200:
             fail(f"HTTP {response.status_code} {response.reason} for {redact(url)} (not retried): the file is not "
-                 f"there; check download.base_url in params.yaml or {MIRROR_ENV}.")
+                 f"there; check {setting}.")
         announced = response.headers.get("Content-Length")
-        if announced is not None:  # another file: refused before its body is read
+        if announced is not None and size is not None:  # another file: refused before its body is read
             check_size(target.stem, int(announced), size)
         received = 0
         started = time.monotonic()
@@ -194,20 +201,22 @@ def _get_once(session: requests.Session, sockets: _Sockets, url: str, target: Pa
             # read1 returns whatever one socket read brings, so the rate is checked at least once per
             # timeout_s; iter_content would wait for a whole chunk, a day at one byte per second.
             # At most one byte past the pinned size: a body without Content-Length that runs on is cut off there.
-            while chunk := response.raw.read1(min(_CHUNK, size + 1 - received), decode_content=True):
+            limit = _CHUNK if size is None else min(_CHUNK, size + 1 - received)
+            while chunk := response.raw.read1(limit, decode_content=True):
                 handle.write(chunk)
                 received += len(chunk)
                 bar.update(len(chunk))
                 elapsed = time.monotonic() - started
                 if elapsed > timeout_s + received / MIN_RATE_BYTES_S:
                     _too_slow(url, received, announced, elapsed)
-                if received > size:
+                if size is not None and received > size:
                     raise ChecksumError(f"{target.stem}: more than the pinned {size:,} bytes (cut off after "
                                         f"{received:,}; gat/planetoid.sizes).")
+                limit = _CHUNK if size is None else min(_CHUNK, size + 1 - received)
     # urllib3 already raises on a short read; this also covers a transport that does not.
     if announced is not None and received != int(announced):
         raise _Transient(f"received {received} of {announced} bytes")
-    if received < size:  # no Content-Length: a connection cut short looks like this
+    if size is not None and received < size:  # no Content-Length: a connection cut short looks like this
         raise _Transient(f"received {received} of the pinned {size} bytes")
     return received
 
@@ -219,14 +228,15 @@ _TRANSIENT = (requests.ConnectionError, requests.Timeout, requests.exceptions.Ch
               _Transient)
 
 
-def _download(session: requests.Session, sockets: _Sockets, url: str, target: Path, size: int, timeout_s: float,
-              retries: int) -> int:
+def _download(session: requests.Session, sockets: _Sockets, url: str, target: Path, size: int | None,
+              timeout_s: float, retries: int, setting: str = _PLANETOID_SETTING) -> int:
+    """`setting`: the params.yaml key (or variable) that names the URL, for the messages."""
     for attempt in range(retries + 1):
         try:
-            return _get_once(session, sockets, url, target, size, timeout_s)
+            return _get_once(session, sockets, url, target, size, timeout_s, setting)
         except requests.TooManyRedirects:
             fail(f"{redact(url)} redirects in a loop (more than {session.max_redirects} redirects; not retried): "
-                 f"check download.base_url in params.yaml or {MIRROR_ENV}, and open the URL in a browser "
+                 f"check {setting}, and open the URL in a browser "
                  "to see where it leads.")
         except _TRANSIENT as error:
             last_error = error
@@ -234,7 +244,7 @@ def _download(session: requests.Session, sockets: _Sockets, url: str, target: Pa
                 time.sleep(BACKOFF_S * 2**attempt)
         except (requests.RequestException, urllib3.exceptions.HTTPError) as error:
             fail(f"could not download {redact(url)} ({redact_text(str(error), url)}; not retried): check "
-                 f"download.base_url in params.yaml or {MIRROR_ENV}.")
+                 f"{setting}.")
     fail(f"could not download {redact(url)} after {retries + 1} attempts ({redact_text(str(last_error), url)}). "
          f"Check the network, raise download.retries or download.timeout_s in params.yaml, or set {MIRROR_ENV} "
          "to a mirror.")
@@ -276,6 +286,58 @@ def fetch(expected: Mapping[str, str], source: str | Path, dest: Path, *, sizes:
             finally:
                 part.unlink(missing_ok=True)
     return received
+
+
+def expected_files(params: Params, dataset: str) -> dict[str, str]:
+    """File name -> SHA-256 of `dataset`'s raw files: a Planetoid dataset's eight pinned files, or an npz graph's
+    one file (GRAPH_FILE) with its params.yaml digest; a StageError for a name that is neither."""
+    graph = params.graph(dataset)
+    if graph is not None:
+        return {GRAPH_FILE: graph.sha256}
+    if dataset not in DATASETS:
+        fail(f"{dataset!r} is neither a Planetoid dataset ({', '.join(DATASETS)}) nor a key of `graphs` in "
+             "params.yaml: add its `graphs` block, or pass one of those.")
+    return pinned(dataset)
+
+
+def graph_source(graph: GraphSource) -> str | Path:
+    """An npz graph's URL, or its file (a relative path is taken from the repository root, as DVC runs stages)."""
+    if graph.is_url:
+        return graph.source
+    path = Path(graph.source).expanduser()
+    return path if path.is_absolute() else repo_root() / path
+
+
+def fetch_graph(name: str, graph: GraphSource, dest: Path, *, timeout_s: float, retries: int) -> int:
+    """Download (or copy) the npz graph `graphs.<name>` into `dest`/GRAPH_FILE, checked against its sha256.
+
+    Returns its bytes. Like `fetch`, the file gets its name only once its checksum matches.
+    """
+    key = f"graphs.{name}"
+    source = graph_source(graph)
+    part = dest / f"{GRAPH_FILE}.part"
+    sockets = _Sockets()
+    try:
+        if isinstance(source, Path):
+            if not source.is_file():
+                fail(f"{key}.source: {source} is not a file; fix the path in params.yaml (a relative path is "
+                     "taken from the repository root).")
+            shutil.copyfile(source, part)
+            size = part.stat().st_size
+        else:
+            with sockets.session() as session:
+                size = _download(session, sockets, source, part, None, timeout_s, retries,
+                                 f"{key}.source in params.yaml")
+        actual = sha256_file(part)
+        try:
+            check_sha256(f"{key}.source ({redact(str(source))})", actual, graph.sha256,
+                         pinned_in=f"{key}.sha256 in params.yaml")
+        except ChecksumError as error:
+            fail(f"{error} If this is the file you mean, set `{key}.sha256: {actual}` in params.yaml.")
+        part.rename(dest / GRAPH_FILE)
+    finally:
+        part.unlink(missing_ok=True)
+    return size
 
 
 def read_verified(folder: Path, expected: Mapping[str, str], producer: str) -> dict[str, bytes]:

@@ -14,9 +14,14 @@ from matplotlib.figure import Figure  # noqa: E402
 from gat.datasets import DATASETS  # noqa: E402
 
 
-def class_names(dataset: str, num_classes: int) -> list[str]:
-    """The dataset's class names, or the class ids when the data does not have the known number of classes."""
-    names = DATASETS[dataset].class_names if dataset in DATASETS else ()
+def class_names(dataset: str, num_classes: int, meta: Mapping[str, object] | None = None) -> list[str]:
+    """The dataset's class names, or the class ids when the data does not have the known number of classes.
+
+    `meta`: the prepared meta.json, whose `class_names` an npz graph's names come from (the kept classes', in order).
+    """
+    from_meta = (meta or {}).get("class_names")
+    names = (tuple(map(str, from_meta)) if isinstance(from_meta, list)
+             else DATASETS[dataset].class_names if dataset in DATASETS else ())
     return list(names) if len(names) == num_classes else [str(c) for c in range(num_classes)]
 
 

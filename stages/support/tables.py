@@ -25,10 +25,11 @@ def _spread(split: dict) -> str:
 
 
 def dataset_row(s: dict) -> str:
-    """The test-accuracy row of one dataset, beside the paper's figure."""
+    """The test-accuracy row of one dataset, beside the paper's figure (none for a graph of `graphs`)."""
     epochs, paper = s["epochs"], s["paper"]
-    return (f"| {s['dataset']} | {s['seeds']} | {_spread(s['test'])} | {pct(paper['mean'])} ± {pct(paper['std'])} % "
-            f"| {'yes' if s['inside_paper_band'] else 'no'} "
+    published = f"{pct(paper['mean'])} ± {pct(paper['std'])} %" if paper else "no published result"
+    inside = "-" if paper is None else "yes" if s["inside_paper_band"] else "no"
+    return (f"| {s['dataset']} | {s['seeds']} | {_spread(s['test'])} | {published} | {inside} "
             f"| {epochs['mean']:.0f} ({epochs['min']:.0f} – {epochs['max']:.0f}) |\n")
 
 
@@ -63,8 +64,10 @@ def metrics(summary: dict) -> dict:
                  f"{prefix}_max": values["max"], f"{prefix}_ci95_low": values["ci_low"],
                  f"{prefix}_ci95_high": values["ci_high"]}
     epochs = summary["epochs"]
-    return flat | {"epochs_mean": epochs["mean"], "epochs_min": epochs["min"], "epochs_max": epochs["max"],
-                   "paper_test_acc_mean": summary["paper"]["mean"], "paper_test_acc_std": summary["paper"]["std"],
+    flat |= {"epochs_mean": epochs["mean"], "epochs_min": epochs["min"], "epochs_max": epochs["max"]}
+    if summary["paper"] is None:  # a graph of `graphs`: the paper did not run it
+        return flat
+    return flat | {"paper_test_acc_mean": summary["paper"]["mean"], "paper_test_acc_std": summary["paper"]["std"],
                    "inside_paper_band": summary["inside_paper_band"]}
 
 
@@ -86,8 +89,9 @@ def histogram_figure(bins: Sequence[dict], summary: dict):
     axes.bar([low for low, _ in edges], [row["seeds"] for row in bins], width=[high - low for low, high in edges],
              align="edge", color="#4c72b0", edgecolor="white")
     paper = summary["paper"]
-    axes.axvspan(100 * (paper["mean"] - paper["std"]), 100 * (paper["mean"] + paper["std"]), alpha=0.2,
-                 color="orange", label="paper mean ± std")
+    if paper is not None:
+        axes.axvspan(100 * (paper["mean"] - paper["std"]), 100 * (paper["mean"] + paper["std"]), alpha=0.2,
+                     color="orange", label="paper mean ± std")
     axes.axvline(100 * summary["test"]["mean"], color="black", label="this project's mean")
     axes.set(xlabel="test accuracy (%)", ylabel="seeds", title=f"{summary['dataset']}: {summary['seeds']} seeds")
     axes.legend()

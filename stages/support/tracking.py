@@ -42,8 +42,9 @@ def git_commit(folder: str | os.PathLike | None = None) -> str:
         return "unknown"
 
 
-def standard_tags(dataset: str, checksums: Mapping[str, str]) -> dict[str, str]:
-    """Tags every training-related run carries, so runs can be traced to code, experiment and data."""
+def standard_tags(dataset: str, checksums: Mapping[str, str], split_seed: int | None = None) -> dict[str, str]:
+    """Tags every training-related run carries, so runs can be traced to code, experiment and data; `split_seed`:
+    an npz graph's (params.yaml's `graphs.<name>.split_seed`, in meta.json's split), which picks its nodes."""
     commit = git_commit()
     tags = {
         "git_commit": commit,
@@ -52,9 +53,17 @@ def standard_tags(dataset: str, checksums: Mapping[str, str]) -> dict[str, str]:
         "data_sha256": data_digest(checksums),
         "dvc_stage": os.environ.get("DVC_STAGE", "(run by hand)"),
     }
+    if split_seed is not None:
+        tags["split_seed"] = str(split_seed)
     if os.environ.get("DVC_EXP_NAME"):
         tags["dvc_exp_name"] = os.environ["DVC_EXP_NAME"]
     return tags
+
+
+def split_seed(meta: Mapping[str, Any]) -> int | None:
+    """The split seed of an npz graph's prepared meta.json (the Pitfalls split's), None for a Planetoid dataset."""
+    split = meta.get("split")
+    return split.get("seed") if isinstance(split, dict) and split.get("name") == "pitfalls" else None
 
 
 @contextlib.contextmanager
@@ -211,11 +220,11 @@ def log_child_runs(parent_run_id: str, experiment_id: str, dataset: str,
 # device), which dvc.yaml leaves out because the results do not depend on it. evaluate and analyze log into
 # train's run and log no params: a rerun with other analyze params could not change a logged one.
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
-    "download": ("download",),
-    "preprocess": ("preprocess",),
-    "train": ("datasets", "download", "preprocess", "train"),
+    "download": ("download", "graphs.{dataset}"),
+    "preprocess": ("preprocess", "graphs.{dataset}"),
+    "train": ("datasets", "download", "preprocess", "train", "graphs.{dataset}"),
     "reproduce": ("reproduce.seeds", "reproduce.first_seed", "reproduce.seeds_per_batch", "reproduce.workers",
-                  "reproduce.executor", "reproduce.device", "reproduce.protocol.{dataset}"),
+                  "reproduce.executor", "reproduce.device", "reproduce.protocol.{dataset}", "graphs.{dataset}"),
     # Not a DVC stage: python -m stages.ablation, which runs reproduce's protocols and executor.
     "ablation": ("ablation", "reproduce.seeds_per_batch", "reproduce.workers", "reproduce.executor",
                  "reproduce.device", "reproduce.protocol"),
