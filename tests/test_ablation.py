@@ -31,6 +31,7 @@ from benchmarks.scale import set_params
 from gat.data import graph_to_tensors, parse_planetoid
 from gat.datasets import file_names
 from gat.seeds import BatchResult
+from gat.training import planned_kernel
 from stages import ablation
 from stages.support import seed_pool
 from stages.support.local_pool import WORKER_NAME, WorkerPool
@@ -98,7 +99,9 @@ def trained(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[int]]]:
         as_gat = dataclasses.replace(setup, model=dataclasses.replace(setup.model, attention="gat"))
         result = train_seed_batch(graph_tensors, as_gat, seeds, device)
         rows = [{**row, "test_acc": row["test_acc"] + VARIANT_SHIFT[variant]} for row in result.rows]
-        return dataclasses.replace(result, rows=rows)
+        # The kernel the variant itself trains with (gatv2 and constant: torch), as the stage checks it.
+        kernel = planned_kernel(setup.model, setup.optim, int(graph_tensors["num_classes"]), device)
+        return dataclasses.replace(result, rows=rows, worker={**result.worker, "training_kernel": kernel})
 
     @contextlib.contextmanager
     def inline(executor: str, workers: int, device: torch.device) -> Iterator[Callable[[], WorkerPool]]:
@@ -106,7 +109,6 @@ def trained(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[int]]]:
 
     monkeypatch.setattr(seed_pool, "train_seeds", train)
     monkeypatch.setattr(ablation, "starting_pool", inline)
-    monkeypatch.setattr(ablation, "check_trainable", lambda cell, graph: None)  # every variant, on any branch
     return calls
 
 
@@ -188,6 +190,33 @@ def test_a_second_run_trains_nothing_and_a_new_variant_only_its_cell(
     assert _run(monkeypatch) == 0
     assert sorted(trained[6:]) == sorted((v, [s]) for v in ("gat", "constant") for s in (0, 1, 2))
     assert all(run.info.status == "FINISHED" for run in _runs())
+
+
+def test_the_real_variants_train_and_name_their_kernels(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No short-circuit: each variant's own layers, in this process; gatv2 and constant train with torch."""
+    set_params(workdir, **{"ablation.variants": ["gat", "gatv2", "constant"],
+                           "reproduce.protocol.cora.optim.max_epochs": 4})
+
+    @contextlib.contextmanager
+    def inline(executor: str, workers: int, device: torch.device) -> Iterator[Callable[[], WorkerPool]]:
+        yield InlinePool
+
+    monkeypatch.setattr(ablation, "starting_pool", inline)
+    assert _run(monkeypatch) == 0
+    cells = {run.data.tags["variant"]: run for run in _runs() if run.data.tags[ABLATION_LEVEL] == "cell"}
+    assert cells["gat"].data.tags["training_kernel"] == planned_kernel(
+        *_cora_setup(workdir), torch.device("cpu"))
+    for variant in ("gatv2", "constant"):
+        assert cells[variant].data.tags["training_kernel"].startswith("torch")
+    weights = {variant: (workdir / "data/ablation/cora" / variant / "seeds.csv").read_text() for variant in cells}
+    assert len(set(weights.values())) == 3  # three different models, not one trained three times
+
+
+def _cora_setup(workdir: Path) -> tuple[Any, Any, int]:
+    from stages.support.params import load_params
+
+    setup = load_params(workdir / "params.yaml").reproduce.protocol["cora"]
+    return setup.model, setup.optim, 7
 
 
 def test_a_missing_prepared_dataset_is_one_line_and_nothing_is_written(
