@@ -43,7 +43,9 @@ def run() -> None:
         "regenerate it, don't edit it.\n\n"
         f"Test accuracy of {settings.seeds} independent seeds per dataset (seeds {settings.first_seed} to "
         f"{settings.first_seed + settings.seeds - 1}), each trained with the train stage's protocol: the "
-        "standard Planetoid split, the authors' early stopping and best-checkpoint restore. "
+        "standard Planetoid split"
+        + (" (a graph of `graphs`: its own seeded split, below)" if any(s["paper"] is None for s in summaries) else "")
+        + ", the authors' early stopping and best-checkpoint restore. "
         f"Hyperparameters: {protocol}. The paper's figures are Table 3 of Veličković et al. (2018), mean ± std "
         "over 100 runs. The std is the sample std; the 95% CI of the mean uses Student's t."
         + (f" Not run here: {', '.join(dataset.name for dataset in not_run)} (not in params.yaml's `datasets`; "
