@@ -1,5 +1,6 @@
-"""stages/ablation.py (`make ablation`): the report, the picture, the per-cell cache, the MLflow runs grouped by
-invocation, cell and seed; a missing dataset refused in one line; an interrupt leaves nothing partial.
+"""stages/ablation.py (`make ablation`) with its support modules (stages/support/ablation_cache.py, ablation_report.py,
+ablation_runs.py and figures.ablation_figure): the report, the picture, the per-cell cache, the MLflow runs grouped
+by invocation, cell and seed; a missing dataset refused in one line; an interrupt leaves nothing partial.
 
 A synthetic Cora, 2 seeds and a few epochs. Most tests run the batches in this process (InlinePool) and
 short-circuit the variants other than gat: each trains as gat does, its test accuracy shifted by a known amount

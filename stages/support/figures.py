@@ -1,9 +1,10 @@
-"""Pictures logged to MLflow beside the JSON: the confusion matrix and the per-epoch curves (matplotlib, Agg)."""
+"""Pictures logged to MLflow beside the JSON: the confusion matrix, the per-epoch curves, the analyze stage's and
+the ablation's (matplotlib, Agg)."""
 
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import matplotlib
 
@@ -12,6 +13,9 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 from matplotlib.figure import Figure  # noqa: E402
 
 from gat.datasets import DATASETS  # noqa: E402
+
+if TYPE_CHECKING:
+    from stages.support.ablation_report import Outcome
 
 
 def class_names(dataset: str, num_classes: int, meta: Mapping[str, object] | None = None) -> list[str]:
@@ -205,3 +209,40 @@ def neighbourhood_figure(views: Sequence, labels, predicted, names: Sequence[str
     figure.suptitle(title)
     figure.tight_layout(rect=(0, 0.07, 1, 1))
     return figure
+
+
+# The ablation's picture ------------------------------------------------------------------------------------------
+
+
+def ablation_figure(found: Sequence[Outcome]) -> Figure:
+    """Per dataset: each variant's mean test accuracy with its 95% CI, and each difference to gat with its CI."""
+    datasets = list(dict.fromkeys(outcome.cell.dataset for outcome in found))
+    variants = list(dict.fromkeys(outcome.cell.variant for outcome in found))
+    panels, grid = plt.subplots(len(datasets), 2, figsize=(11, 0.8 + (1.0 + 0.45 * len(variants)) * len(datasets)),
+                                squeeze=False)
+    for (means, differences), dataset in zip(grid, datasets):
+        rows = [outcome for outcome in found if outcome.cell.dataset == dataset][::-1]  # the first variant on top
+        positions = list(range(len(rows)))
+        mean = [100 * o.test.mean for o in rows]
+        means.errorbar(mean, positions, fmt="o", color="#4c72b0", capsize=4,
+                       xerr=[[m - 100 * o.test.ci_low for m, o in zip(mean, rows)],
+                             [100 * o.test.ci_high - m for m, o in zip(mean, rows)]])
+        means.set_yticks(positions, [o.cell.variant for o in rows])
+        means.set(xlabel="test accuracy (%), mean and 95% CI", title=f"{dataset}: {rows[0].test.n} seeds each",
+                  ylim=(-0.6, len(rows) - 0.4))
+        compared = [(i, o.difference) for i, o in enumerate(rows) if o.difference is not None]
+        differences.axvline(0.0, color="black", linewidth=1)
+        differences.plot([0.0] * (len(rows) - len(compared)), [i for i, o in enumerate(rows) if o.difference is None],
+                         "D", color="black", label="gat: the baseline")
+        if compared:
+            d_mean = [100 * d.mean for _, d in compared]
+            differences.errorbar(d_mean, [i for i, _ in compared], fmt="o", color="#dd8452", capsize=4,
+                                 xerr=[[m - 100 * d.ci_low for m, (_, d) in zip(d_mean, compared)],
+                                       [100 * d.ci_high - m for m, (_, d) in zip(d_mean, compared)]])
+        differences.set_yticks(positions, [o.cell.variant for o in rows])
+        differences.set(xlabel="difference to gat (points), paired by seed, 95% CI", title=f"{dataset}: minus gat",
+                        ylim=(-0.6, len(rows) - 0.4))
+        for axes in (means, differences):
+            axes.grid(axis="x", alpha=0.3)
+    panels.tight_layout()
+    return panels
