@@ -25,6 +25,12 @@ def test_the_readme_quotes_the_committed_ablation_report() -> None:
     assert not missing, f"README rows not in {REPORT.name} (run `make ablation` and copy its table): {missing}"
 
 
+def test_the_readme_shows_the_reports_picture() -> None:
+    section = readme_section("## Does attention matter? The ablation")
+    assert "](reports/ablation.png)" in section
+    assert (REPO / "reports/ablation.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
 def test_the_committed_report_covers_every_default_cell() -> None:
     settings = load_params(REPO / "params.yaml").ablation
     cells = {tuple(cell.strip() for cell in row.split("|")[1:3]) for row in table_rows(REPORT.read_text())}

@@ -30,9 +30,13 @@ def locked_outputs() -> dict[str, str]:
     return {out["path"]: out["md5"] for stage in lock["stages"].values() for out in stage.get("outs", [])}
 
 
+ABLATION_PICTURE = REPO / "reports" / "ablation.png"  # `make ablation`'s, not analyze's: tests/test_readme_ablation.py
+
+
 def readme_pictures() -> list[Path]:
-    """The files of the README's `![...](path)` images."""
-    return [REPO / path for path in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", README)]
+    """The files of the README's `![...](path)` images of the analyze stage (all but the ablation's)."""
+    return [REPO / path for path in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", README)
+            if REPO / path != ABLATION_PICTURE]
 
 
 def png_size(path: Path) -> tuple[int, int]:
