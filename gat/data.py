@@ -243,7 +243,8 @@ def _place_test_rows(all_rows: Any, test_rows: Any, test_index: np.ndarray) -> A
     return stacked[order]
 
 
-def _normalise_rows(features: sparse.csr_matrix) -> sparse.csr_matrix:
+def normalise_rows(features: sparse.csr_matrix) -> sparse.csr_matrix:
+    """Each row divided by its sum (an all-zero row stays zero), with sorted, distinct column ids per row."""
     sums = np.asarray(features.sum(axis=1)).ravel()
     inverse = np.divide(1.0, sums, out=np.zeros_like(sums), where=sums != 0)
     normalised = (sparse.diags(inverse) @ features).tocsr()
@@ -279,7 +280,7 @@ def _is_node_id(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def _edge_index(sources: np.ndarray, targets: np.ndarray, num_nodes: int) -> Tensor:
+def undirected_edge_index(sources: np.ndarray, targets: np.ndarray, num_nodes: int) -> Tensor:
     """Symmetrise, drop self-loops and duplicates (both occur in the raw lists), sort by target."""
     keep = sources != targets
     # Row = target, column = source: CSR order is then target-major, source-minor.
@@ -297,7 +298,8 @@ def _csr_tensor(crow: Tensor, col: Tensor, values: Tensor, size: tuple[int, int]
         return torch.sparse_csr_tensor(crow, col, values, size=size, check_invariants=True)
 
 
-def _from_scipy(matrix: sparse.csr_matrix) -> Tensor:
+def csr_tensor_from_scipy(matrix: sparse.csr_matrix) -> Tensor:
+    """A scipy CSR matrix as torch's sparse CSR tensor: int64 indices, float32 values."""
     return _csr_tensor(torch.from_numpy(matrix.indptr.astype(np.int64)),
                        torch.from_numpy(matrix.indices.astype(np.int64)),
                        torch.from_numpy(matrix.data.astype(np.float32)), matrix.shape)
@@ -348,17 +350,17 @@ def parse_planetoid(raw: Mapping[str, bytes], dataset: str) -> Graph:
     _require_labels(ally, names["ally"], num_train + STANDARD_VAL_NODES, "training or validation")
     _require_labels(ty, names["ty"], len(ty), "test")
 
-    features = _normalise_rows(_place_test_rows(allx.astype(np.float32), tx.astype(np.float32), test_index))
+    features = normalise_rows(_place_test_rows(allx.astype(np.float32), tx.astype(np.float32), test_index))
     one_hot = _place_test_rows(ally, ty, test_index)
     labels = np.where(one_hot.any(axis=1), one_hot.argmax(axis=1), -1)
     num_nodes = len(labels)
-    edge_index = _edge_index(*_adjacency_arrays(adjacency_lists, names["graph"], num_nodes), num_nodes)
+    edge_index = undirected_edge_index(*_adjacency_arrays(adjacency_lists, names["graph"], num_nodes), num_nodes)
     if edge_index.shape[1] == 0:
         # Attention over self-loops alone is a per-node MLP: nothing a graph model would be measured on.
         raise ValueError(f"{names['graph']}: holds no edges between distinct nodes (only self-loops, or none); "
                          "a citation graph links its papers")
     return Graph(
-        features=_from_scipy(features),
+        features=csr_tensor_from_scipy(features),
         edge_index=edge_index,
         labels=torch.from_numpy(labels.astype(np.int64)),
         train_idx=torch.arange(num_train),

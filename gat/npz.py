@@ -22,7 +22,7 @@ import torch
 from scipy import sparse
 from torch import Tensor
 
-from gat.data import Graph, Split, _edge_index, _from_scipy, _normalise_rows
+from gat.data import Graph, Split, undirected_edge_index, csr_tensor_from_scipy, normalise_rows
 
 # The Pitfalls protocol: per class, this many training and validation nodes, drawn at random; the rest test.
 # A class with fewer than their sum is dropped (its nodes stay in the graph, unlabelled).
@@ -170,10 +170,10 @@ def parse_npz(data: bytes) -> NpzGraph:
     if labels.max() >= len(class_names):  # only with class_names present, which _class_names sized
         raise ValueError(f"labels: class {int(labels.max())} is out of range for the {len(class_names)} class_names")
     coo = adjacency.tocoo()
-    edge_index = _edge_index(coo.row.astype(np.int64), coo.col.astype(np.int64), num_nodes)
+    edge_index = undirected_edge_index(coo.row.astype(np.int64), coo.col.astype(np.int64), num_nodes)
     if edge_index.shape[1] == 0:
         raise ValueError("adj_indices: no edges between distinct nodes (only self-loops, or none)")
-    return NpzGraph(features=_from_scipy(_normalise_rows(attributes)), edge_index=edge_index,
+    return NpzGraph(features=csr_tensor_from_scipy(normalise_rows(attributes)), edge_index=edge_index,
                     labels=torch.from_numpy(labels.astype(np.int64)), class_names=class_names)
 
 
