@@ -12,6 +12,7 @@ from gat.config import ModelConfig
 from gat.graph import Neighbourhoods, SparseFeatures, receptive_field
 from gat.model import GAT
 from gat.training import GraphTensors, predict
+from pyg_support import pyg_gatv2
 
 CONFIG = ModelConfig(hidden_features=5, heads=3, output_heads=2, dropout=0.6, leaky_relu_negative_slope=0.2)
 N, F_IN, C = 40, 16, 4
@@ -142,23 +143,6 @@ def _variant_like(attention: str, seeds: list[int]) -> GAT:
     return model
 
 
-def _pyg_gatv2(layer, replica: int, in_features: int):
-    """PyG's GATv2Conv (defaults: lin_l and lin_r apart, with biases, and self-loops) with `layer`'s weights."""
-    from torch_geometric.nn import GATv2Conv
-
-    H, F_out = layer.n_heads, layer.n_hidden
-    conv = GATv2Conv(in_features, F_out, heads=H, concat=layer.is_concat, negative_slope=layer.negative_slope,
-                     dropout=0.0).eval()
-    with torch.no_grad():
-        conv.lin_l.weight.copy_(layer.W[replica].transpose(1, 2).reshape(H * F_out, in_features))
-        conv.lin_r.weight.copy_(layer.W_target[replica].transpose(1, 2).reshape(H * F_out, in_features))
-        conv.lin_l.bias.copy_(layer.b_source[replica].reshape(-1))
-        conv.lin_r.bias.copy_(layer.b_target[replica].reshape(-1))
-        conv.att.copy_(layer.a[replica].view(1, H, F_out))
-        conv.bias.copy_(layer.bias[replica].reshape(-1) if layer.is_concat else layer.bias[replica].mean(0))
-    return conv
-
-
 @pytest.mark.parametrize("replica", [0, 1])
 def test_gatv2_attention_equals_pyg_gatv2conv_with_the_same_weights(graph, replica: int) -> None:
     x, edge_index = graph
@@ -166,8 +150,8 @@ def test_gatv2_attention_equals_pyg_gatv2conv_with_the_same_weights(graph, repli
     neighbourhoods = Neighbourhoods.from_edge_index(edge_index, N)
     first, second = model.attention(SparseFeatures.from_csr(x), neighbourhoods)
     assert first.shape == (neighbourhoods.num_edges, 2, CONFIG.heads)
-    conv1 = _pyg_gatv2(model.hidden, replica, F_IN)
-    conv2 = _pyg_gatv2(model.output, replica, CONFIG.heads * CONFIG.hidden_features)
+    conv1 = pyg_gatv2(model.hidden, replica, F_IN)
+    conv2 = pyg_gatv2(model.output, replica, CONFIG.heads * CONFIG.hidden_features)
     with torch.no_grad():
         hidden, (edges1, alpha1) = conv1(x, edge_index, return_attention_weights=True)
         logits, (edges2, alpha2) = conv2(F.elu(hidden), edge_index, return_attention_weights=True)

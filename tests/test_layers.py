@@ -19,6 +19,7 @@ from gat.dense_reference import adjacency, copy_into, dense_attention
 from gat.dropout import ReplicaDropout
 from gat.graph import Neighbourhoods, SparseFeatures, receptive_field
 from gat.layers import ConstantAttentionLayer, GATv2Layer, GraphAttentionLayer, segment_softmax
+from pyg_support import pyg_gatv2
 
 
 def random_graph(num_nodes: int, num_edges: int, seed: int, isolated: int = 2) -> Neighbourhoods:
@@ -531,24 +532,6 @@ def _variant(Layer, f_in: int, heads: int, f_out: int, is_concat: bool, replicas
                  dropout=0.6, leaky_relu_negative_slope=0.2)
 
 
-def _pyg_gatv2(layer: GATv2Layer, replica: int, f_in: int):
-    """PyG's GATv2Conv (its defaults: separate lin_l and lin_r with biases, self-loops) with `layer`'s weights."""
-    from torch_geometric.nn import GATv2Conv
-
-    H, F_out = layer.n_heads, layer.n_hidden
-    conv = GATv2Conv(f_in, F_out, heads=H, concat=layer.is_concat, negative_slope=layer.negative_slope,
-                     dropout=0.0, add_self_loops=True, bias=True, share_weights=False).eval()
-    with torch.no_grad():
-        conv.lin_l.weight.copy_(layer.W[replica].transpose(1, 2).reshape(H * F_out, f_in))
-        conv.lin_r.weight.copy_(layer.W_target[replica].transpose(1, 2).reshape(H * F_out, f_in))
-        conv.lin_l.bias.copy_(layer.b_source[replica].reshape(-1))
-        conv.lin_r.bias.copy_(layer.b_target[replica].reshape(-1))
-        conv.att.copy_(layer.a[replica].view(1, H, F_out))
-        # PyG adds one bias after joining the heads; ours adds one per head.
-        conv.bias.copy_(layer.bias[replica].reshape(-1) if layer.is_concat else layer.bias[replica].mean(0))
-    return conv
-
-
 @MODES
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-input", "sparse-input"])
 @pytest.mark.parametrize("is_concat,heads", [(True, 1), (True, 3), (False, 1), (False, 2)])
@@ -564,7 +547,7 @@ def test_gatv2_matches_pyg_gatv2conv_forward_and_gradients(is_concat: bool, head
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(21))
     (out * weights).sum().backward()
     for r in range(replicas):
-        conv = _pyg_gatv2(layer, r, f_in)
+        conv = pyg_gatv2(layer, r, f_in)
         expected = conv(x, edge_index)
         torch.testing.assert_close(out[:, r].detach(), expected.detach(), rtol=1e-5, atol=1e-5)
         (expected * weights[:, r]).sum().backward()
@@ -586,7 +569,7 @@ def test_gatv2_matches_pyg_gatv2conv_at_coras_size(cora_sized, is_concat: bool, 
     with torch.no_grad():
         for parameter in (layer.a, layer.b_source, layer.b_target, layer.bias):
             parameter.normal_(generator=torch.Generator().manual_seed(12))
-        expected = _pyg_gatv2(layer, 0, f_in)(x, edge_index)
+        expected = pyg_gatv2(layer, 0, f_in)(x, edge_index)
         out = layer(SparseFeatures.from_csr(x), Neighbourhoods.from_edge_index(edge_index, n))
     torch.testing.assert_close(out[:, 0], expected, rtol=1e-5, atol=1e-5)
 
