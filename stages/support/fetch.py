@@ -250,6 +250,18 @@ def _download(session: requests.Session, sockets: _Sockets, url: str, target: Pa
          "to a mirror.")
 
 
+@contextlib.contextmanager
+def _verified_into(target: Path) -> Iterator[Path]:
+    """A `.part` sibling of `target` to write and check in the block: renamed to `target` when the block ends
+    without an error, removed either way, so a folder never holds an unverified file under its real name."""
+    part = target.with_name(f"{target.name}.part")
+    try:
+        yield part
+        part.rename(target)
+    finally:
+        part.unlink(missing_ok=True)
+
+
 def fetch(expected: Mapping[str, str], source: str | Path, dest: Path, *, sizes: Mapping[str, int], timeout_s: float,
           retries: int) -> dict[str, int]:
     """Fetch each file named in `expected` (file name -> SHA-256) from `source` into `dest`.
@@ -266,8 +278,7 @@ def fetch(expected: Mapping[str, str], source: str | Path, dest: Path, *, sizes:
     sockets = _Sockets()
     with sockets.session() as session:
         for name in expected:
-            part = dest / f"{name}.part"
-            try:
+            with _verified_into(dest / name) as part:
                 try:
                     if isinstance(source, Path):
                         if not (source / name).is_file():
@@ -282,9 +293,6 @@ def fetch(expected: Mapping[str, str], source: str | Path, dest: Path, *, sizes:
                     check_sha256(name, sha256_file(part), expected[name])
                 except ChecksumError as error:
                     fail(f"{error} {fix}")
-                part.rename(dest / name)
-            finally:
-                part.unlink(missing_ok=True)
     return received
 
 
@@ -315,9 +323,8 @@ def fetch_graph(name: str, graph: GraphSource, dest: Path, *, timeout_s: float, 
     """
     key = f"graphs.{name}"
     source = graph_source(graph)
-    part = dest / f"{GRAPH_FILE}.part"
     sockets = _Sockets()
-    try:
+    with _verified_into(dest / GRAPH_FILE) as part:
         if isinstance(source, Path):
             if not source.is_file():
                 fail(f"{key}.source: {source} is not a file; fix the path in params.yaml (a relative path is "
@@ -334,9 +341,6 @@ def fetch_graph(name: str, graph: GraphSource, dest: Path, *, timeout_s: float, 
                          pinned_in=f"{key}.sha256 in params.yaml")
         except ChecksumError as error:
             fail(f"{error} If this is the file you mean, set `{key}.sha256: {actual}` in params.yaml.")
-        part.rename(dest / GRAPH_FILE)
-    finally:
-        part.unlink(missing_ok=True)
     return size
 
 
