@@ -43,6 +43,7 @@ import pytest
 from scipy import sparse
 
 from gat.config import Params, Setup
+from gat.data import Graph
 from gat.datasets import DATASETS, STANDARD_TRAIN_PER_CLASS, STANDARD_VAL_NODES, parse_checksums
 
 SHARED_PLANETOID = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "planetoid"
@@ -185,6 +186,26 @@ def write_synthetic_planetoid(folder: Path, dataset: str, *, num_classes: int = 
         test_idx=np.sort(test_index), num_classes=num_classes,
     )
 
+
+
+def write_prepared_synthetic_cora(root: Path, source_sha256: dict[str, str]) -> Graph:
+    """`root`/data/prepared/cora of a synthetic Cora, as the preprocess stage writes it (graph.pt, and a meta.json
+    with these source checksums); the raw files in `root`/raw. Returns the graph."""
+    import json
+
+    import torch
+
+    from gat.data import graph_to_tensors, parse_planetoid
+    from gat.datasets import file_names
+
+    raw = root / "raw"
+    write_synthetic_planetoid(raw, "cora", **SYNTHETIC_LAYOUTS["cora"])
+    graph = parse_planetoid({name: (raw / name).read_bytes() for name in file_names("cora")}, "cora")
+    prepared = root / "data/prepared/cora"
+    prepared.mkdir(parents=True)
+    torch.save(graph_to_tensors(graph), prepared / "graph.pt")
+    (prepared / "meta.json").write_text(json.dumps({"dataset": "cora", "source_sha256": source_sha256}))
+    return graph
 
 @pytest.fixture(scope="session", autouse=True)
 def one_thread() -> Iterator[None]:

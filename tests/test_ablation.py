@@ -25,12 +25,10 @@ import mlflow
 import psutil
 import pytest
 import torch
-from conftest import SYNTHETIC_LAYOUTS, run_stage_in_process, write_synthetic_planetoid
+from conftest import run_stage_in_process, write_prepared_synthetic_cora
 from mlflow.tracking import MlflowClient
 
 from benchmarks.scale import set_params
-from gat.data import graph_to_tensors, parse_planetoid
-from gat.datasets import file_names
 from gat.seeds import BatchResult
 from gat.training import planned_kernel
 from stages import ablation
@@ -49,13 +47,7 @@ ARGS = ("--data", "data/prepared", "--cache", "data/ablation", "--report", "repo
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """data/prepared/cora of a synthetic Cora, as the preprocess stage writes it."""
     root = tmp_path_factory.mktemp("ablation")
-    raw = root / "raw"
-    write_synthetic_planetoid(raw, "cora", **SYNTHETIC_LAYOUTS["cora"])
-    graph = parse_planetoid({name: (raw / name).read_bytes() for name in file_names("cora")}, "cora")
-    folder = root / "data/prepared/cora"
-    folder.mkdir(parents=True)
-    torch.save(graph_to_tensors(graph), folder / "graph.pt")
-    (folder / "meta.json").write_text(json.dumps({"dataset": "cora", "source_sha256": {"ind.cora.x": "0" * 64}}))
+    write_prepared_synthetic_cora(root, {"ind.cora.x": "0" * 64})
     return root / "data"
 
 

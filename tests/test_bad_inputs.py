@@ -18,10 +18,8 @@ from typing import Callable
 import mlflow
 import pytest
 import torch
-from conftest import SYNTHETIC_LAYOUTS, run_stage_in_process, write_synthetic_planetoid
+from conftest import run_stage_in_process, write_prepared_synthetic_cora
 
-from gat.data import graph_to_tensors, parse_planetoid
-from gat.datasets import file_names
 from gat.model import GAT, model_state
 from stages import analyze, evaluate, train
 from stages.support.params import load_params
@@ -35,13 +33,7 @@ def intact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """data/prepared/cora (synthetic Cora), data/train (an untrained model and its run.json) and data/eval (its
     evaluation.json)."""
     root = tmp_path_factory.mktemp("intact")
-    raw = root / "raw"
-    write_synthetic_planetoid(raw, "cora", **SYNTHETIC_LAYOUTS["cora"])
-    graph = parse_planetoid({name: (raw / name).read_bytes() for name in file_names("cora")}, "cora")
-    prepared = root / "data/prepared/cora"
-    prepared.mkdir(parents=True)
-    torch.save(graph_to_tensors(graph), prepared / "graph.pt")
-    (prepared / "meta.json").write_text(json.dumps({"dataset": "cora", "source_sha256": {}}))
+    graph = write_prepared_synthetic_cora(root, {})
     config = load_params(REPO / "params.yaml").train.model
     model = GAT(config, graph.num_features, graph.num_classes, [0])
     (root / "data/train").mkdir(parents=True)
