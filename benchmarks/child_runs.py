@@ -77,7 +77,7 @@ def run(seeds: int, repeats: int) -> dict:
         state = State(state_root)
         settings = up(state, dvc_remote=False)
         try:
-            os.environ.update(settings.client_env())
+            os.environ.update(state.client_env(settings))
             server = time_child_logging(seeds, repeats)
         finally:
             down(state)

@@ -1,4 +1,4 @@
-"""`python -m team up|down|status|remote`: see team.backend."""
+"""`python -m team up|down|status|remote|issue`: see team.backend and team.tls."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
-from team.backend import configure_dvc_remote, down, status, up
+from team.backend import configure_dvc_remote, down, issue_for, status, up
 from team.ports import PORT_ENV
 from team.settings import Settings, State, TeamError, default_state
 
@@ -61,13 +62,23 @@ def _is_a(value: object, annotation: str) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m team", description=__doc__)
-    parser.add_argument("command", choices=["up", "down", "status", "remote"])
+    parser.add_argument("command", choices=["up", "down", "status", "remote", "issue"])
+    parser.add_argument("name", nargs="?", help="issue: the host or person the certificate is for (its file names)")
     parser.add_argument("--state", type=Path, default=None,
                         help="the backend's state folder (default: GAT_TEAM_DIR, else .team at the repo root)")
     parser.add_argument("--no-dvc-remote", action="store_true",
                         help="up: leave this clone's DVC remote alone (the tests' backends)")
     parser.add_argument("--repo", type=Path, default=Path.cwd(), help="remote: the DVC repository (default: here)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="issue: the bundle's folder (default: <state>/issued/NAME)")
+    parser.add_argument("--days", type=int, default=365, help="issue: how long the certificate is valid (default 365)")
+    parser.add_argument("--colleague", action="store_true",
+                        help="issue: add a colleague's client settings (the MLflow server, its login, the DVC remote)")
     args = parser.parse_args()
+    if args.command == "issue" and not (args.name and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", args.name)):
+        parser.error("issue needs a NAME of letters, digits, '.', '_' or '-' (a host or a person)")
+    if args.command == "issue" and args.days < 1:
+        parser.error("--days must be at least 1")
     state = State(args.state or default_state())
     try:
         if args.command != "remote":
@@ -78,6 +89,8 @@ def main() -> int:
             down(state)
         elif args.command == "status":
             return 0 if status(state) else 3
+        elif args.command == "issue":
+            issue_for(state, args.name, args.out or state.root / "issued" / args.name, args.days, args.colleague)
         else:
             configure_dvc_remote(args.repo, dict(os.environ))
     except TeamError as error:

@@ -29,14 +29,16 @@ pipeline's MLflow names, claimed by the admin).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from team.names import claim_names
-from team.ports import PORT_NAMES, choose_ports
+from team.ports import HOST_ENV, PORT_NAMES, choose_ports, listen_address
 from team.processes import recorded_pid, stop_server
 from team.servers import start_mlflow, start_postgres, start_seaweedfs
-from team.settings import (ADMIN_USER, DVC_REMOTE_NAME, DVC_REMOTE_TIMEOUTS, JWT_SECTIONS, REGION, Settings, State,
-                           TeamError, new_jwt_keys, repo_root, say, write_private)
+from team.settings import (ADMIN_USER, DVC_REMOTE_NAME, DVC_REMOTE_TIMEOUTS, JWT_SECTIONS, LOOPBACK, REGION, Settings,
+                           State, TeamError, new_jwt_keys, repo_root, say, write_private)
+from team.tls import BUNDLE_ENV, ensure_certificates, issue_bundle
 
 SERVERS = ("postgres", "seaweedfs", "mlflow")
 
@@ -55,18 +57,25 @@ def running(state: State) -> dict[str, int | None]:
 
 
 def up(state: State, dvc_remote: bool = True) -> Settings:
-    """Start whatever is not running; a no-op, said so, when all three are up."""
+    """Start whatever is not running; a no-op, said so, when all three are up. GAT_TEAM_HOST, when set, is the name
+    the team's other hosts reach this one at (saved: later starts keep it); a new one restarts every server."""
     settings = state.load()
+    host = os.environ.get(HOST_ENV) or (settings.host if settings else LOOPBACK)
+    address = listen_address(host)
     alive = running(state)
+    if settings and settings.host != host:
+        down(state, quiet=True)
+        alive = running(state)
     if settings and all(alive.values()):
-        claim_names(settings, repo_root())
+        claim_names(settings, repo_root(), state.ca_file)
         say(f"team backend already up: MLflow at {settings.tracking_uri} ({state.login}). `source {state.env_file}`")
         return settings
     if settings and any(alive.values()):
         # One server stopped (it died, or was stopped by hand): start just that one, if its ports are still
         # free; else all three on a new, coherent set of ports (the others know each other's addresses).
         previous = dict(settings.ports)
-        ports = choose_ports({name: port for name, port in previous.items() if not _owned_by_running(name, alive)})
+        ports = choose_ports({name: port for name, port in previous.items() if not _owned_by_running(name, alive)},
+                             address)
         if any(ports[name] != previous.get(name) for name in ports if not _owned_by_running(name, alive)):
             down(state)
             alive = running(state)
@@ -74,22 +83,24 @@ def up(state: State, dvc_remote: bool = True) -> Settings:
     settings = settings or Settings.generate()
     if set(settings.weed_jwt_keys) != set(JWT_SECTIONS):  # settings from before SeaweedFS's JWT signing
         settings.weed_jwt_keys = new_jwt_keys()
+    settings.host = host
     if not any(alive.values()):
-        settings.ports = choose_ports(settings.ports)
+        settings.ports = choose_ports(settings.ports, address)
+    ensure_certificates(state, host)
     state.save(settings)
     starts = {"postgres": start_postgres, "seaweedfs": start_seaweedfs, "mlflow": start_mlflow}
     try:
         for name in SERVERS:
             if not alive[name]:
                 starts[name](state, settings)
-        made = claim_names(settings, repo_root())
+        made = claim_names(settings, repo_root(), state.ca_file)
     except BaseException:
         down(state, quiet=True)
         raise
     if made:
         say(f"made, as {ADMIN_USER}, the pipeline's experiments and registered models: {', '.join(made)}")
     if dvc_remote:
-        configure_dvc_remote(repo_root(), settings.client_env())
+        configure_dvc_remote(repo_root(), state.client_env(settings))
     say(f"team backend up. Clients: `source {state.env_file}` (tracking URI, admin account, DVC remote)")
     return settings
 
@@ -121,7 +132,7 @@ def configure_dvc_remote(repo: Path, env: dict[str, str]) -> None:
     from dvc.config import Config
 
     missing = [key for key in ("GAT_TEAM_S3_ENDPOINT", "GAT_TEAM_DVC_REMOTE", "GAT_TEAM_S3_ACCESS_KEY_ID",
-                               "GAT_TEAM_S3_SECRET_ACCESS_KEY") if not env.get(key)]
+                               "GAT_TEAM_S3_SECRET_ACCESS_KEY", "GAT_TEAM_CA_FILE") if not env.get(key)]
     if missing:
         raise TeamError(f"{missing[0]} is not set: `source .team/env` (written by `make team-up`) first")
     local_file = repo / ".dvc" / "config.local"
@@ -134,8 +145,23 @@ def configure_dvc_remote(repo: Path, env: dict[str, str]) -> None:
             "url": env["GAT_TEAM_DVC_REMOTE"], "endpointurl": env["GAT_TEAM_S3_ENDPOINT"],
             "access_key_id": env["GAT_TEAM_S3_ACCESS_KEY_ID"],
             "secret_access_key": env["GAT_TEAM_S3_SECRET_ACCESS_KEY"], "region": REGION,
+            # The S3 API's certificate is checked against the team's CA (an absolute path: DVC reads it from
+            # wherever it runs).
+            "ssl_verify": str(Path(env["GAT_TEAM_CA_FILE"]).resolve()),
             **{key: before.get(key, value) for key, value in DVC_REMOTE_TIMEOUTS.items()}}
         local["core"]["remote"] = DVC_REMOTE_NAME
     local_file.chmod(0o600)  # it holds the S3 secret key
     say(f"DVC remote `{DVC_REMOTE_NAME}` -> {env['GAT_TEAM_DVC_REMOTE']} at {env['GAT_TEAM_S3_ENDPOINT']} "
         f"(in {repo / '.dvc' / 'config.local'})")
+
+
+def issue_for(state: State, name: str, folder: Path, days: int, colleague: bool) -> None:
+    """`python -m team issue NAME`: a certificate bundle signed by the team's CA, for a Dask scheduler, worker or
+    client host, and with `colleague`, the client settings of `.team/env` too."""
+    settings = state.load()
+    if settings is None:
+        raise TeamError(f"no team backend in {state.root}: run `make team-up` first")
+    issue_bundle(state, name, folder, days, state.client_env(settings) if colleague else None)
+    say(f"issued {folder}/{name}.crt (valid {days} days) with its key, ca.crt and {BUNDLE_ENV}: hand the folder to "
+        f"{name} over a channel you trust (it holds a private key{' and the logins' if colleague else ''}); there, "
+        f"`source {BUNDLE_ENV}`")

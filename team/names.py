@@ -20,7 +20,7 @@ def pipeline_names(repo: Path) -> tuple[list[str], list[str]]:
     return list(DESCRIPTIONS), [model_name(str(dataset)) for dataset in datasets]
 
 
-def claim_names(settings: Settings, repo: Path) -> list[str]:
+def claim_names(settings: Settings, repo: Path, ca_file: Path) -> list[str]:
     """Create, as the admin, every experiment and registered model the pipeline will use, so that no other user
     can create one first and own it (MLflow gives a name's creator MANAGE on it). Returns the names made now."""
     import requests
@@ -32,19 +32,20 @@ def claim_names(settings: Settings, repo: Path) -> list[str]:
             ("experiment", experiments, "experiments/get-by-name", "experiments/create", "experiment_name"),
             ("registered model", models, "registered-models/get", "registered-models/create", "name")):
         for name in names:
-            found = requests.get(f"{api}/{get}", params={key: name}, auth=auth, timeout=30)
+            found = requests.get(f"{api}/{get}", params={key: name}, auth=auth, timeout=30, verify=str(ca_file))
             if found.status_code == 200:
                 continue
-            created = requests.post(f"{api}/{create}", json={"name": name}, auth=auth, timeout=30)
+            created = requests.post(f"{api}/{create}", json={"name": name}, auth=auth, timeout=30,
+                                    verify=str(ca_file))
             if created.status_code != 200:
                 raise TeamError(f"the admin could not create the {kind} {name!r} (HTTP {created.status_code}: "
                                 f"{created.text[:120]}): see {settings.tracking_uri}'s log")
             made.append(name)
-    _warn_foreign_names(settings, experiments, models)
+    _warn_foreign_names(settings, experiments, models, ca_file)
     return made
 
 
-def _warn_foreign_names(settings: Settings, experiments: list[str], models: list[str]) -> None:
+def _warn_foreign_names(settings: Settings, experiments: list[str], models: list[str], ca_file: Path) -> None:
     """One line for each pipeline name another user manages (created before `team up` claimed it): the stages
     refuse it, and the admin deletes it or revokes that user's MANAGE permission."""
     import requests
@@ -54,11 +55,12 @@ def _warn_foreign_names(settings: Settings, experiments: list[str], models: list
     api, auth = f"{settings.tracking_uri}/api/2.0/mlflow", (ADMIN_USER, settings.admin_password)
     resources = [("registered model", "registered_model", name, name) for name in models]
     for name in experiments:
-        found = requests.get(f"{api}/experiments/get-by-name", params={"experiment_name": name}, auth=auth, timeout=30)
+        found = requests.get(f"{api}/experiments/get-by-name", params={"experiment_name": name}, auth=auth, timeout=30,
+                             verify=str(ca_file))
         if found.status_code == 200:
             resources.append(("experiment", "experiment", name, found.json()["experiment"]["experiment_id"]))
     for kind, resource_type, name, pattern in resources:
-        owners = foreign_managers(settings.tracking_uri, auth, resource_type, pattern)
+        owners = foreign_managers(settings.tracking_uri, auth, resource_type, pattern, str(ca_file))
         if owners:
             say(f"warning: the {kind} {name} is managed by user '{owners[0]}', not by {ADMIN_USER}: the stages refuse "
                 f"it until {ADMIN_USER} deletes it or revokes that permission")

@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from team.ports import listen_address
 from team.processes import spawn, wait_ready
-from team.settings import (ADMIN_USER, ARTIFACTS_BUCKET, DB_USER, DVC_BUCKET, JWT_SECTIONS, REGION, Settings, State,
-                           TeamError, say, write_private)
+from team.settings import (ADMIN_USER, ARTIFACTS_BUCKET, DB_USER, DVC_BUCKET, JWT_SECTIONS, LOOPBACK, REGION, Settings,
+                           State, TeamError, say, write_private)
+from team.tls import issue, make_ca
 
 # ---------------------------------------------------------------------------------------------- PostgreSQL
 
@@ -105,13 +108,14 @@ def start_postgres(state: State, settings: Settings) -> None:
 
 # ----------------------------------------------------------------------------------------------- SeaweedFS
 
-def s3_client(endpoint: str, access_key: str, secret_key: str):
+def s3_client(endpoint: str, access_key: str, secret_key: str, ca_file: Path):
+    """boto3's S3 client for the team's S3 API, over HTTPS, trusting only the team's CA."""
     import boto3
     from botocore.config import Config
 
     return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=access_key, aws_secret_access_key=secret_key,
-                        region_name=REGION, config=Config(connect_timeout=5, read_timeout=30,
-                                                          retries={"max_attempts": 2}))
+                        region_name=REGION, verify=str(ca_file),
+                        config=Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 2}))
 
 
 def _weed_binary() -> str:
@@ -122,45 +126,12 @@ def _weed_binary() -> str:
 
 
 def _make_tls(folder: Path) -> None:
-    """A CA of the backend's own and one certificate it signs (server and client use, for 127.0.0.1), for
-    SeaweedFS's mutual TLS: only a process holding `weed.key` (0600, the backend's) gets an answer."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = now - datetime.timedelta(days=1), now + datetime.timedelta(days=3650)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gat-repro team backend CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gat-weed")])).issuer_name(ca_name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(start).not_valid_after(end)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    pem = serialization.Encoding.PEM
-    no_password = serialization.NoEncryption()
-    write_private(folder / "ca.crt", ca.public_bytes(pem).decode())
-    write_private(folder / "weed.crt", cert.public_bytes(pem).decode())
-    write_private(folder / "weed.key", key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                                          no_password).decode())
-    # The CA's key is not kept: nobody can sign another certificate this backend accepts.
+    """A CA for SeaweedFS alone and one certificate it signs (server and client use, for 127.0.0.1), for its mutual
+    TLS: only a process holding `weed.key` (0600, the backend's) gets an answer. The CA's key is not kept: nobody
+    can sign another certificate that SeaweedFS accepts."""
+    ca = make_ca("gat-repro SeaweedFS CA")
+    issue(ca, "gat-weed", ["localhost", LOOPBACK]).write(folder / "weed.key", folder / "weed.crt")
+    write_private(folder / "ca.crt", ca.cert_pem)
 
 
 def _write_security_toml(state: State, settings: Settings) -> None:
@@ -211,8 +182,12 @@ def start_seaweedfs(state: State, settings: Settings) -> None:
         f"-filer.localSocket={state.weed_dir / 'filer.sock'}", f"-s3.localSocket={state.weed_dir / 's3.sock'}",
         "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
         f"-s3.config={state.s3_config}",
+        # The S3 API alone takes clients from other hosts, on the team host's address, over HTTPS only (a plain
+        # request gets HTTP 400), with the team CA's certificate.
+        f"-s3.ip.bind={listen_address(settings.host)}", f"-s3.cert.file={state.server_cert}",
+        f"-s3.key.file={state.server_key}",
     ], env=dict(os.environ), umask=0o077)
-    client = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key)
+    client = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, state.ca_file)
 
     def buckets_made() -> bool:
         have = {bucket["Name"] for bucket in client.list_buckets()["Buckets"]}
@@ -234,11 +209,12 @@ def _make_private(folder: Path) -> None:
 
 # ------------------------------------------------------------------------------------------- MLflow server
 
-def _mlflow_env(settings: Settings) -> dict[str, str]:
+def _mlflow_env(state: State, settings: Settings) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_", "AWS_"))}
     return env | {
         "PGPASSWORD": settings.db_password,
         "MLFLOW_S3_ENDPOINT_URL": settings.s3_endpoint,
+        "AWS_CA_BUNDLE": str(state.ca_file),  # the S3 API's certificate is the team CA's
         "AWS_ACCESS_KEY_ID": settings.s3_access_key,
         "AWS_SECRET_ACCESS_KEY": settings.s3_secret_key,
         "AWS_DEFAULT_REGION": REGION,
@@ -255,7 +231,7 @@ def start_mlflow(state: State, settings: Settings) -> None:
     import requests
 
     mlflow = str(Path(sys.executable).parent / "mlflow")
-    env = _mlflow_env(settings)
+    env = _mlflow_env(state, settings)
     upgrade = subprocess.run([mlflow, "db", "upgrade", settings.database_uri("mlflow")], env=env,
                              capture_output=True, text=True)
     if upgrade.returncode:
@@ -274,15 +250,20 @@ def start_mlflow(state: State, settings: Settings) -> None:
     env["MLFLOW_AUTH_CONFIG_PATH"] = str(state.auth_config)
     port = settings.ports["mlflow"]
     process = spawn(state, "mlflow", [
-        mlflow, "server", "--app-name", "basic-auth", "--host", "127.0.0.1", "--port", str(port), "--workers", "2",
-        "--backend-store-uri", settings.database_uri("mlflow"),
+        mlflow, "server", "--app-name", "basic-auth", "--host", listen_address(settings.host), "--port", str(port),
+        "--workers", "2", "--backend-store-uri", settings.database_uri("mlflow"),
         "--serve-artifacts", "--artifacts-destination", f"s3://{ARTIFACTS_BUCKET}",
-        "--allowed-hosts", f"127.0.0.1:{port},localhost:{port}",
+        # HTTPS only, with the team CA's certificate for GAT_TEAM_HOST: a plain-HTTP request gets no answer.
+        "--uvicorn-opts", shlex.join(["--ssl-keyfile", str(state.server_key),
+                                      "--ssl-certfile", str(state.server_cert)]),
+        "--allowed-hosts", ",".join(f"{name}:{port}"
+                                    for name in dict.fromkeys([settings.host, LOOPBACK, "localhost"])),
     ], env=env)
 
     def answers() -> bool:
         response = requests.get(f"{settings.tracking_uri}/api/2.0/mlflow/experiments/search",
-                                params={"max_results": 1}, auth=(ADMIN_USER, settings.admin_password), timeout=5)
+                                params={"max_results": 1}, auth=(ADMIN_USER, settings.admin_password), timeout=5,
+                                verify=str(state.ca_file))
         return response.status_code == 200
 
     wait_ready("mlflow server", process, answers, state.logs / "mlflow.log")

@@ -26,6 +26,7 @@ DVC_REMOTE_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 2}
 
 # security.toml's JWT sections, each with a key of its own.
 JWT_SECTIONS = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
+LOOPBACK = "127.0.0.1"
 
 
 class TeamError(Exception):
@@ -54,6 +55,9 @@ class Settings:
     flask_secret: str
     # SeaweedFS's JWT signing keys (security.toml): volume writes and reads, filer writes and reads.
     weed_jwt_keys: dict[str, str] = field(default_factory=dict)
+    # The name (or address) clients reach the MLflow server and the S3 API at (GAT_TEAM_HOST): in their URLs and in
+    # the servers' certificate. Both listen on the address it resolves to; PostgreSQL stays on 127.0.0.1.
+    host: str = LOOPBACK
 
     @classmethod
     def generate(cls) -> "Settings":
@@ -63,22 +67,28 @@ class Settings:
 
     @property
     def tracking_uri(self) -> str:
-        return f"http://127.0.0.1:{self.ports['mlflow']}"
+        return f"https://{self.host}:{self.ports['mlflow']}"
 
     @property
     def s3_endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.ports['s3']}"
+        return f"https://{self.host}:{self.ports['s3']}"
 
     def database_uri(self, database: str) -> str:
         # No password in the URI (it would show in `ps`): libpq takes it from PGPASSWORD.
         return f"postgresql+psycopg2://{DB_USER}@127.0.0.1:{self.ports['postgres']}/{database}"
 
-    def client_env(self) -> dict[str, str]:
-        """What `.team/env` exports: the tracking server and its admin account, and the DVC remote."""
+    def client_env(self, ca_file: str) -> dict[str, str]:
+        """What `.team/env` exports: the tracking server and its admin account, the team's CA certificate (MLflow's
+        own setting, and the DVC remote's `ssl_verify`), and the DVC remote."""
         return {
             "MLFLOW_TRACKING_URI": self.tracking_uri,
             "MLFLOW_TRACKING_USERNAME": ADMIN_USER,
             "MLFLOW_TRACKING_PASSWORD": self.admin_password,
+            "MLFLOW_TRACKING_SERVER_CERT_PATH": ca_file,
+            # Artifacts through the server, which trusts the S3 API's certificate (AWS_CA_BUNDLE), not from presigned
+            # S3 URLs, which MLflow fetches with the system's CAs: each would fail, retried for a minute.
+            "MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD": "false",
+            "GAT_TEAM_CA_FILE": ca_file,
             "GAT_TEAM_S3_ENDPOINT": self.s3_endpoint,
             "GAT_TEAM_DVC_REMOTE": f"s3://{DVC_BUCKET}",
             "GAT_TEAM_S3_ACCESS_KEY_ID": self.s3_access_key,
@@ -113,6 +123,10 @@ class State:
         self.auth_config = self.root / "basic_auth.ini"
         # SeaweedFS's security.toml and the certificates of its mTLS (a CA of its own): `weed -config_dir`.
         self.weed_conf = self.root / "seaweedfs-conf"
+        # The team's CA (its key never leaves this folder) and the MLflow server's and S3 API's certificate.
+        self.tls = self.root / "tls"
+        self.ca_file, self.ca_key = self.tls / "ca.crt", self.tls / "ca.key"
+        self.server_cert, self.server_key = self.tls / "server.crt", self.tls / "server.key"
         self.logs = self.root / "logs"
         self.pids = self.root / "run"
 
@@ -122,6 +136,9 @@ class State:
         password itself goes into no output)."""
         return f"log in as {ADMIN_USER}, password: MLFLOW_TRACKING_PASSWORD in {self.env_file}"
 
+    def client_env(self, settings: Settings) -> dict[str, str]:
+        return settings.client_env(str(self.ca_file))
+
     def load(self) -> Settings | None:
         if not self.settings_file.exists():
             return None
@@ -129,7 +146,7 @@ class State:
 
     def save(self, settings: Settings) -> None:
         write_private(self.settings_file, json.dumps(asdict(settings), indent=2) + "\n")
-        lines = [f"export {key}={shlex.quote(value)}" for key, value in settings.client_env().items()]
+        lines = [f"export {key}={shlex.quote(value)}" for key, value in self.client_env(settings).items()]
         write_private(self.env_file, "# The gat-repro team backend (`make team-up`): `source` this file, then "
                                       "`make team-repro`, `dvc push --run-cache`, `make ui`.\n"
                                       + "\n".join(lines) + "\n")

@@ -119,9 +119,11 @@ def copy_project(root: Path, planetoid_folder: PlanetoidFolder) -> None:
 
 def clean_env() -> dict[str, str]:
     """This process's environment without MLflow's, DVC's and the project's settings, nor PYTHONPATH: every process
-    a test starts imports the project as installed, or from the checkout it runs in (cwd, `python -m`)."""
+    a test starts imports the project as installed, or from the checkout it runs in (cwd, `python -m`). Nor the CA
+    that a team test's own `requests` trust (REQUESTS_CA_BUNDLE): the project's processes must pass the team's CA on
+    themselves."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("MLFLOW_", "DVC_", "GAT_")) and k != "PYTHONPATH"}
+           if not k.startswith(("MLFLOW_", "DVC_", "GAT_")) and k not in ("PYTHONPATH", "REQUESTS_CA_BUNDLE")}
     return env | {"PATH": f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}", "MLFLOW_DISABLE_TELEMETRY": "true",
                   "DVC_NO_ANALYTICS": "1", "GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@localhost",
                   "GIT_COMMITTER_NAME": "test", "GIT_COMMITTER_EMAIL": "test@localhost"}

@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 import psutil
-from pipeline_support import REPO
+from pipeline_support import REPO, VENV_BIN
 
 STAGE_S = 300.0  # how long a tiny stage may take, start to end, on a busy 2-core machine
 
@@ -46,6 +46,17 @@ def readme_blocks(heading: str) -> list[list[str]]:
     return bash_blocks(readme_section(heading))
 
 
+def as_if_make_made_the_venv(clone: Path) -> None:
+    """The test's venv as the clone's `.venv`, and the clone's files older than its stamps, as in a clone where `make`
+    has made .venv: the recipe's `make` targets then install nothing (there is no network here)."""
+    (clone / ".venv").symlink_to(VENV_BIN.parent)
+    with (clone / ".git/info/exclude").open("a") as exclude:
+        exclude.write(".venv\n")  # .gitignore's `.venv/` matches a folder, not this link
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=clone, capture_output=True, text=True, check=True)
+    subprocess.run(["xargs", "-0", "touch", "-h", "-d", "2000-01-01"], input=tracked.stdout, cwd=clone, text=True,
+                   check=True)
+
+
 def process_tree(pid: int) -> list[psutil.Process]:
     try:
         process = psutil.Process(pid)
@@ -70,11 +81,14 @@ class ReadmeShell:
     """Runs README commands as written, from `root`, as one shell session would: after a command, its `cd` and
     `source` parts (`git clone ... && cd x`, `source .team/env`) apply to every later one, and `export` sets the
     environment; a command ending in `&` runs in the background (stopped by `stop`, by PID), the others in the
-    foreground, and must succeed. Only the texts in `replace` change (ports, placeholders)."""
+    foreground, and must succeed. Only the texts in `replace` change (ports, placeholders, host names). `wrap`
+    prefixes every command line, e.g. `ip netns exec <host>` to run it on another host (tests/netns_support.py)."""
 
-    def __init__(self, root: Path, env: dict[str, str], folder: Path, replace: dict[str, str] | None = None) -> None:
+    def __init__(self, root: Path, env: dict[str, str], folder: Path, replace: dict[str, str] | None = None,
+                 wrap: list[str] | None = None) -> None:
         self.root, self.env, self.folder = root, dict(env), folder
         self.replace = dict(replace or {})
+        self.wrap = list(wrap or [])
         self.prefix = ""
         self.background: list[subprocess.Popen] = []
 
@@ -92,12 +106,12 @@ class ReadmeShell:
             return None
         if command.endswith("&"):
             log = (self.folder / f"background-{len(self.background)}.log").open("w")
-            self.background.append(subprocess.Popen(["bash", "-c", self.prefix + command.removesuffix("&")],
+            self.background.append(subprocess.Popen([*self.wrap, "bash", "-c", self.prefix + command.removesuffix("&")],
                                                     cwd=self.root, env=self.env | (env or {}),
                                                     stdout=subprocess.DEVNULL, stderr=log))
             return None
-        done = subprocess.run(["bash", "-c", self.prefix + command], cwd=self.root, env=self.env | (env or {}),
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run([*self.wrap, "bash", "-c", self.prefix + command], cwd=self.root,
+                              env=self.env | (env or {}), capture_output=True, text=True, timeout=timeout)
         assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
         for part in command.split(" && "):
             if part.startswith(("cd ", "source ")):

@@ -40,7 +40,7 @@ class TeamBackend:
     @property
     def client_env(self) -> dict[str, str]:
         """What `source .team/env` sets."""
-        return self.settings.client_env()
+        return self.state.client_env(self.settings)
 
     @property
     def mlflow_env(self) -> dict[str, str]:
@@ -48,7 +48,8 @@ class TeamBackend:
         return {key: value for key, value in self.client_env.items() if key.startswith("MLFLOW_")}
 
     def s3(self):
-        return s3_client(self.settings.s3_endpoint, self.settings.s3_access_key, self.settings.s3_secret_key)
+        return s3_client(self.settings.s3_endpoint, self.settings.s3_access_key, self.settings.s3_secret_key,
+                         self.state.ca_file)
 
     def objects(self, bucket: str) -> list[str]:
         keys: list[str] = []
@@ -67,12 +68,14 @@ class TeamBackend:
 
 @contextlib.contextmanager
 def credentials(backend: TeamBackend) -> Iterator[None]:
-    """The admin's MLflow credentials in this process's environment for the block, for MlflowClient; what was
-    there before is restored."""
+    """The admin's MLflow credentials in this process's environment for the block, for MlflowClient, and the team's
+    CA as the one `requests` trusts (REQUESTS_CA_BUNDLE), for the tests' own calls to the servers' APIs; what was
+    there before is restored. (The project's own processes never see REQUESTS_CA_BUNDLE: they pass the CA on.)"""
     with pytest.MonkeyPatch.context() as patch:
         for key, value in backend.mlflow_env.items():
             if key != "MLFLOW_TRACKING_URI":
                 patch.setenv(key, value)
+        patch.setenv("REQUESTS_CA_BUNDLE", str(backend.state.ca_file))
         yield
 
 

@@ -26,7 +26,8 @@ import psutil
 import pytest
 import requests
 from pipeline_support import REPO, TINY, VENV_BIN, clean_env, copy_project, ran, set_params
-from readme_support import ReadmeShell, bash_blocks, process_tree, readme_section, stop_all
+from readme_support import (ReadmeShell, as_if_make_made_the_venv, bash_blocks, process_tree, readme_section,
+                            stop_all)
 
 from stages.support.store import DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT
 from team.backend import running
@@ -46,17 +47,6 @@ def _recipe() -> list[tuple[str, list[str]]]:
         (block,) = bash_blocks(text)
         recipe.append((who, block))
     return recipe
-
-
-def _as_if_make_made_the_venv(clone: Path) -> None:
-    """The test's venv as the clone's `.venv`, and the clone's files older than its stamps, as in a clone where `make`
-    has made .venv: the recipe's `make` targets then install nothing (there is no network here)."""
-    (clone / ".venv").symlink_to(VENV_BIN.parent)
-    with (clone / ".git/info/exclude").open("a") as exclude:
-        exclude.write(".venv\n")  # .gitignore's `.venv/` matches a folder, not this link
-    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=clone, capture_output=True, text=True, check=True)
-    subprocess.run(["xargs", "-0", "touch", "-h", "-d", "2000-01-01"], input=tracked.stdout, cwd=clone, text=True,
-                   check=True)
 
 
 def _alive(process: psutil.Process) -> bool:
@@ -88,7 +78,7 @@ def team_recipe_folder(planetoid_folder) -> Iterator[Path]:
                     ["git", "clone", "-q", str(folder / "origin.git"), str(folder / "gat-repro")]):
         subprocess.run(command, cwd=seed, env=env, check=True, capture_output=True)
     shutil.rmtree(seed)
-    _as_if_make_made_the_venv(folder / "gat-repro")
+    as_if_make_made_the_venv(folder / "gat-repro")
     state = State(folder / "gat-repro" / ".team")
     try:
         yield folder
@@ -140,7 +130,7 @@ def test_two_people_follow_the_readme_recipe(team_recipe_folder: Path, planetoid
                 assert done is not None and "Traceback" not in done.stdout + done.stderr, done
                 said[f"{name}: {command}"] = done
                 if command.startswith("git clone"):
-                    _as_if_make_made_the_venv(bob_root)
+                    as_if_make_made_the_venv(bob_root)
 
     # Alice's stages all ran, each logging to her server, none to a local store.
     state = State(alice_root / ".team")
@@ -153,6 +143,7 @@ def test_two_people_follow_the_readme_recipe(team_recipe_folder: Path, planetoid
     assert not (alice_root / "mlflow.db").exists() and not (alice_root / "mlartifacts").exists()
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+    monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", str(state.ca_file))
     client = MlflowClient(uri)
 
     def runs(experiment: str) -> list:
@@ -186,11 +177,12 @@ def test_two_people_follow_the_readme_recipe(team_recipe_folder: Path, planetoid
     for name in ("Alice", "Bob"):
         assert f"{uri}/#/experiments/" in said[f"{name}: make ui"].stdout
         assert said[f'{name}: echo "$MLFLOW_TRACKING_PASSWORD"'].stdout.strip() == password
-    anonymous = requests.get(f"{uri}/", timeout=30)
+    ca = str(state.ca_file)
+    anonymous = requests.get(f"{uri}/", timeout=30, verify=ca)
     assert anonymous.status_code == 401 and anonymous.headers["WWW-Authenticate"].startswith("Basic")
-    assert requests.get(f"{uri}/", auth=("admin", password), timeout=30).status_code == 200
+    assert requests.get(f"{uri}/", auth=("admin", password), timeout=30, verify=ca).status_code == 200
     assert requests.get(f"{uri}/api/2.0/mlflow/experiments/search", params={"max_results": 1},
-                        auth=("admin", password), timeout=30).status_code == 200
+                        auth=("admin", password), timeout=30, verify=ca).status_code == 200
     status = alice.run("make team-status")
     assert status is not None and f"MLflow at {uri} (log in as admin, password: MLFLOW_TRACKING_PASSWORD" \
         in status.stdout, status.stdout

@@ -229,7 +229,8 @@ def test_evaluate_refuses_a_champion_another_user_made(team_backend: TeamBackend
              "v = client.create_model_version('gat-squatted', f'runs:/{run.info.run_id}/x.txt', run.info.run_id,\n"
              "                                tags={'val_acc': '0.0'})\n"
              "client.set_registered_model_alias('gat-squatted', 'champion', v.version)\n")
-    env = clean_env() | {"MLFLOW_TRACKING_URI": uri} | squatter
+    env = clean_env() | {"MLFLOW_TRACKING_URI": uri,
+                         "MLFLOW_TRACKING_SERVER_CERT_PATH": str(team_backend.state.ca_file)} | squatter
     done = subprocess.run([str(VENV_BIN / "python"), "-c", plant], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -289,13 +290,14 @@ def test_a_password_in_the_tracking_uri_is_never_printed(team_backend: TeamBacke
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
     password = "uri-password-s3cr3t"
-    env = clean_env() | {"MLFLOW_TRACKING_URI": f"http://admin:{password}@127.0.0.1:{port}"}
+    env = clean_env() | {"MLFLOW_TRACKING_URI": f"https://admin:{password}@127.0.0.1:{port}",
+                         "MLFLOW_TRACKING_SERVER_CERT_PATH": str(team_backend.state.ca_file)}
     done = subprocess.run([str(VENV_BIN / "python"), "-m", "tools.init_store"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
     assert password not in done.stdout + done.stderr
-    assert f"http://***@127.0.0.1:{port}" in lines[0]
+    assert f"https://***@127.0.0.1:{port}" in lines[0]
     assert ("unreachable" if not reachable else "refused the credentials") in lines[0]
 
 

@@ -64,6 +64,7 @@ import distributed
 from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from stages.support.certificates import certificate_problem, certificate_refused
 from stages.support.params import fail
 
 # What to do about a worker that cannot import the project's code.
@@ -340,13 +341,42 @@ async def _handshake(address: str) -> None:
     await comm.close()
 
 
+BUNDLE_HINT = ("ask the team's admin for a bundle (`python -m team issue NAME` on the server host), then `source` its "
+               "team.env")
+
+
+def _check_tls_client(address: str) -> None:
+    """For a `tls://` scheduler: this client's certificate, key and the team's CA are set (Dask's config, which a
+    bundle's team.env sets), and the certificate is one the scheduler will accept. A scheduler refuses a bad one
+    during the handshake, and the client then learns only that the connection closed."""
+    settings = {name: dask.config.get(f"distributed.comm.tls.{key}", None) for name, key in (
+        ("DASK_DISTRIBUTED__COMM__TLS__CA_FILE", "ca-file"),
+        ("DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT", "client.cert"),
+        ("DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY", "client.key"))}
+    unset = [name for name, value in settings.items() if not value]
+    if unset:
+        fail(f"the Dask scheduler at {address} speaks TLS, and this client has no certificate ({', '.join(unset)} "
+             f"not set): {BUNDLE_HINT}")
+    ca_file, cert_file, _ = settings.values()
+    problem = certificate_problem(str(cert_file), str(ca_file))
+    if problem:
+        fail(f"this client's Dask certificate {cert_file} {problem}: the scheduler at {address} would refuse it; "
+             f"{BUNDLE_HINT}")
+
+
 def _connect(address: str, where: str) -> Client:
+    if address.startswith("tls://"):
+        _check_tls_client(address)
     # A Client whose constructor fails leaves a half-started object whose finalizer waits 20 s more and prints
     # a traceback at exit: try the address with a bare connection first.
     try:
         asyncio.run(_handshake(address))
     except Exception as error:  # refused, no route, no such host, no answer in time, not a Dask scheduler
         reason = (" ".join(str(error).split()) or "no answer")[:200]
+        refused = certificate_refused(error)
+        if refused is not None:
+            fail(f"the Dask scheduler at {address} (from {where}) has a TLS certificate that the CA in "
+                 f"DASK_DISTRIBUTED__COMM__TLS__CA_FILE does not vouch for ({refused}): {BUNDLE_HINT}")
         fail(f"cannot reach the Dask scheduler at {address} (from {where}) within {CONNECT_S:.0f} s "
              f"({type(error).__name__}: {reason}). Start it (`dask scheduler`), fix the address, or unset it to "
              "run on a local cluster.")

@@ -22,6 +22,7 @@ from filelock import FileLock
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from stages.support.certificates import certificate_refused
 from stages.support.redaction import redact_urls
 from stages.support.files import disk_full, no_space
 from stages.support.params import fail, repo_root
@@ -133,8 +134,12 @@ def is_server(uri: str) -> bool:
 # give up on one request after 3 tries of 10 s and 2-4 s of backoff, 32-34 s; the cleanup that follows
 # (_end_failed) takes at most CLEANUP_TIMEOUT_S more.
 # MLflow also prints two "View run at <url>" lines per run against a server: 200 for reproduce's children.
+# Artifacts come through the server (which checks its object store's certificate), not from presigned object-store URLs,
+# which MLflow fetches trusting only the system's CAs: against a store with a certificate of the team's CA, each file
+# would fail and be retried for a minute.
 SERVER_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+                          "MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD": "false"}
 # What talking to a tracking server can raise: MLflow's own errors, and requests' once its retries are spent.
 SERVER_ERRORS = (MlflowException, requests.RequestException)
 # Marking a run FAILED after the server failed: one try, this long; a server that did not answer the stage's
@@ -167,16 +172,37 @@ def use_store() -> str:
     return uri
 
 
+def server_verify() -> str | bool:
+    """What an HTTPS server's certificate is checked against, as MLflow's client does: the CA file in
+    MLFLOW_TRACKING_SERVER_CERT_PATH, else the system's CAs (MLFLOW_TRACKING_INSECURE_TLS=true: nothing)."""
+    from mlflow.environment_variables import MLFLOW_TRACKING_INSECURE_TLS, MLFLOW_TRACKING_SERVER_CERT_PATH
+
+    if MLFLOW_TRACKING_INSECURE_TLS.get():
+        return False
+    return MLFLOW_TRACKING_SERVER_CERT_PATH.get() or True
+
+
 def check_server(uri: str) -> None:
     """One request, before any work, that the server answers and takes the credentials: a one-line error
     within seconds (at most 5 s to connect, 20 s to answer) instead of a traceback after the retries."""
     shown = redact_urls(uri)  # a password in the URI is never printed
     user = os.environ.get("MLFLOW_TRACKING_USERNAME")
     auth = (user, os.environ.get("MLFLOW_TRACKING_PASSWORD", "")) if user else None
+    verify = server_verify()
+    if isinstance(verify, str) and not os.path.isfile(verify):
+        fail(f"MLFLOW_TRACKING_SERVER_CERT_PATH={verify} is not a file: point it at the team's CA certificate "
+             "(`source .team/env`, or the env of your bundle from `python -m team issue`)")
     try:
         response = requests.get(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search", params={"max_results": 1},
-                                auth=auth, timeout=(5, 20))
+                                auth=auth, timeout=(5, 20), verify=verify)
     except requests.RequestException as error:
+        why = certificate_refused(error)
+        if why is not None:
+            trusted = f"the CA in MLFLOW_TRACKING_SERVER_CERT_PATH ({verify})" if isinstance(verify, str) else \
+                "the system's CAs (MLFLOW_TRACKING_SERVER_CERT_PATH is not set)"
+            fail(f"the MLflow server at {shown} has a TLS certificate that {trusted} does not vouch for ({why}): "
+                 "set MLFLOW_TRACKING_SERVER_CERT_PATH to the team's CA certificate (`source .team/env`, or your "
+                 "bundle's env), or ask the team's admin whether the server's certificate changed")
         fail(f"the MLflow tracking server at {shown} is unreachable ({type(error).__name__}): start it "
              "(`make team-up`, then `source .team/env`), or check MLFLOW_TRACKING_URI")
     if response.status_code == 401:
@@ -188,12 +214,14 @@ def check_server(uri: str) -> None:
              "an MLflow tracking server?) and the server's log")
 
 
-def foreign_managers(uri: str, auth: tuple[str, str] | None, resource_type: str, pattern: str) -> list[str]:
+def foreign_managers(uri: str, auth: tuple[str, str] | None, resource_type: str, pattern: str,
+                     verify: str | bool | None = None) -> list[str]:
     """The users other than admins who hold MANAGE on a resource (`experiment` by id, `registered_model` by
     name): MLflow gives it to whoever created the resource. Only an admin may list users: for anyone else (or a
     server without basic-auth) the answer is an empty list."""
     try:
-        response = requests.get(f"{uri.rstrip('/')}/api/2.0/mlflow/users/list", auth=auth, timeout=(5, 20))
+        response = requests.get(f"{uri.rstrip('/')}/api/2.0/mlflow/users/list", auth=auth, timeout=(5, 20),
+                                verify=server_verify() if verify is None else verify)
     except requests.RequestException:
         return []
     if response.status_code != 200:
