@@ -40,7 +40,7 @@ repro: $(VENV)/.runtime $(VENV)/.fused
 ## test: set up .venv with the dev requirements and run the fast tier (minutes): every test that needs neither
 ## the real pipeline, nor a server, nor a Dask cluster, nor minutes of its own (markers in pyproject.toml)
 test: $(VENV)/.dev $(VENV)/.fused
-	$(RUN) $(BIN)/python -m pytest -m "not (e2e or team or dask or slow)" tests
+	$(RUN) $(BIN)/python -m pytest -m "not (e2e or team or dask or multihost or slow)" tests
 
 ## test-all: the whole suite, as CI runs it (the team tests start their own PostgreSQL, SeaweedFS and MLflow
 ## server: PostgreSQL must be installed, see `make system-deps`)
@@ -69,7 +69,8 @@ DATASET ?= cora
 serve: $(VENV)/.runtime
 	$(RUN) $(BIN)/python -m tools.serve --dataset "$(DATASET)" $(if $(PORT),--port "$(PORT)")
 
-## team-up: start the team backend on 127.0.0.1 (PostgreSQL, SeaweedFS S3, MLflow server with a login),
+## team-up: start the team backend (PostgreSQL, SeaweedFS S3, MLflow server with a login; HTTPS with a CA of its own in
+## .team/tls/) on 127.0.0.1, or with GAT_TEAM_HOST=<this host's name> for other hosts (README: "Across hosts"),
 ## state in .team/, client settings in .team/env, this clone's DVC remote on its bucket; a no-op when up
 team-up: $(VENV)/.runtime
 	$(RUN) $(BIN)/python -m team up

@@ -398,6 +398,7 @@ TIER_FIXTURES = {
     # PostgreSQL, SeaweedFS, MLflow
     "team": {"team_backend", "team_pipeline", "server_stages", "seaweedfs_stopped", "team_recipe_folder"},
     "dask": {"dask_cluster", "doomed_cluster"},  # a Dask scheduler and workers
+    "multihost": {"team_hosts"},  # hosts in network namespaces: the team backend, a Dask cluster, two colleagues
 }
 
 

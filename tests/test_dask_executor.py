@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -622,18 +621,23 @@ def test_the_readme_sweep_runs_as_written(pipeline_copy: Pipeline, readme_shell:
     assert logged.info.status == "FINISHED"
 
 
-def test_the_readme_multi_host_recipe_matches_the_sweeps() -> None:
-    """The multi-host block's commands are the sweep's, but for the placeholders: the scheduler and each worker
-    as installed, without PYTHONPATH, each worker with `--nthreads 1`."""
+def test_the_readme_multi_host_commands_are_the_tls_recipes() -> None:
+    """The multi-host block of the Dask section is the "Across hosts" recipe's scheduler, worker and address (which
+    tests/test_multihost.py runs on six hosts), and both differ from the sweep's loopback commands only by TLS and the
+    host names: the scheduler and each worker as installed, without PYTHONPATH, each worker with `--nthreads 1`."""
     blocks = _readme_dask_blocks()
-    (multi_host,) = [block for block in blocks if any("tcp://HOST:8786" in line for line in block)]
-    schedulers = [line for block in blocks for line in block if "dask scheduler" in line]
-    workers = [line for block in blocks for line in block if "dask worker" in line]
-    assert len(schedulers) == 2 and len(workers) == 2, blocks
-    assert all(line.startswith("dask scheduler --host ") for line in schedulers)
-    assert all(re.match(r"(\.venv/bin/)?dask worker tcp://", line) and "--nthreads 1" in line for line in workers)
-    assert not [line for block in blocks for line in block if "PYTHONPATH" in line]
-    assert "export DASK_SCHEDULER_ADDRESS=tcp://HOST:8786" in multi_host
+    (multi_host,) = [block for block in blocks if any("tls://scheduler.example.org:8786" in line for line in block)]
+    across = [line for block in readme_blocks("## Team mode: one MLflow server, one object store, shared experiments")
+              for line in block]
+    for line in multi_host:
+        if "dask " in line or line.startswith("export DASK_SCHEDULER_ADDRESS"):
+            assert line in across, line
+    (scheduler,) = [line for line in multi_host if "dask scheduler" in line]
+    (worker,) = [line for line in multi_host if "dask worker" in line]
+    assert scheduler.startswith(".venv/bin/dask scheduler --host scheduler.example.org ")
+    assert "--protocol tls" in scheduler
+    assert worker.startswith(".venv/bin/dask worker tls://scheduler.example.org:8786 ") and "--nthreads 1" in worker
+    assert not [line for block in blocks for line in block if "PYTHONPATH" in line or "0.0.0.0" in line]
 
 
 def _without_the_project(folder: Path) -> Path:
