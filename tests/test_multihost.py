@@ -242,7 +242,8 @@ def test_the_readme_recipe_runs_on_six_hosts(team_hosts: Team) -> None:
     hosts = {run["tags"]["worker_address"].split("//")[1].split(":")[0] for run in children}
     assert hosts == {team.host("worker1").address, team.host("worker2").address}, hosts
     assert all(run["tags"]["worker_address"].startswith("tls://") for run in children)
-    assert {run["status"] for run in runs} == {"FINISHED"}
+    # (Other tests of this module fail runs on purpose: only the recipe's are checked.)
+    assert {run["status"] for run in [on_cluster, *children]} == {"FINISHED"}
     # Every stage of Alice's `make team-repro` logged to the server; none wrote a local store.
     (repro,) = [done for who, command, done in team.said if (who, command) == ("alice", "make team-repro")]
     assert {"train", "evaluate", "reproduce@cora", "report"} <= {
