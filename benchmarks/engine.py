@@ -60,7 +60,7 @@ from benchmarks.data import DOWNLOADED_DATA_DIR, REPO_ROOT, SHARED_DATA_DIR, def
 from benchmarks.implementations import dense_node_count, dense_peak_bytes
 from benchmarks.report import (FUSED_TARGETS, add_ratios, attention_variants, build_report, check_targets,
                                format_table, machine, summarise)
-from benchmarks.throughput import reproduce_throughput
+from benchmarks.throughput import lane_curve, reproduce_throughput
 from benchmarks.timing import baseline_rss_mb, cases, measure, peak_of
 from stages.support.files import write_json
 from stages.support.params import StageError
@@ -96,6 +96,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--throughput-epochs", type=int, default=200,
                         help="epochs of each train() run that compares the kernels' seed-epochs/s; 0: skip it")
     parser.add_argument("--throughput-rounds", type=int, default=3)
+    parser.add_argument("--lane-epochs", type=int, default=100,
+                        help="epochs of each train() run of the lane curve (per-seed loop against seeds as lanes); "
+                             "0: skip it")
     parser.add_argument("--no-verify", action="store_true", help="skip the checksum check of the raw files")
     parser.add_argument("--peak-of", help=argparse.SUPPRESS)  # internal: one fresh process per implementation
     return parser.parse_args(argv)
@@ -138,11 +141,16 @@ def run(args: argparse.Namespace) -> dict:
     if args.throughput_epochs > 0:
         log(f"seed-epochs per second of train, fused and torch kernels, {args.throughput_rounds} rounds")
         throughput = reproduce_throughput(graph, args.batched_seeds, args.throughput_epochs, args.throughput_rounds)
+    curve = None
+    if args.lane_epochs > 0:
+        log(f"seed-epochs per second, per-seed loop against seeds as lanes, {args.throughput_rounds} rounds")
+        curve = lane_curve(graph, args.lane_epochs, args.throughput_rounds)
     extra = {"command": " ".join(["python", "-m", "benchmarks.engine", *args.argv]),
              "fused_targets": check_targets(entries["fused"], FUSED_TARGETS),
              "fused_batched_targets": check_targets(entries["fused_batched"], FUSED_TARGETS),
              "attention_variants": attention_variants(entries),
              "reproduce_throughput": throughput,
+             "lane_curve": curve,
              "other_processes_cpu_share_during_timing": others,
              "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
              "dense_estimated_peak_gb": dense_peak_bytes(args.dense_nodes) / 2**30,

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
 from benchmarks.data import protocol
-from benchmarks.report import FUSED_SPEEDUP_TARGET
+from benchmarks.report import FUSED_SPEEDUP_TARGET, LANES_SPEEDUP_TARGET
 from benchmarks.timing import percentile
 from gat import fused
 from gat.config import OptimConfig
@@ -58,3 +61,57 @@ def reproduce_throughput(graph: Graph, seeds: int, epochs: int, rounds: int) -> 
             "seed_epochs_per_wall_s": median_wall, "seed_epochs_per_wall_s_samples": rates(wall),
             "fused_vs_torch": speedup, "fused_vs_torch_wall": median_wall["fused"] / median_wall["torch"],
             "target": FUSED_SPEEDUP_TARGET, "met": bool(speedup >= FUSED_SPEEDUP_TARGET)}
+
+
+@contextmanager
+def lanes(width: int | None) -> Iterator[None]:
+    """$GAT_FUSED_LANES set to `width` (None: unset, the per-seed loop) for the duration."""
+    before = os.environ.pop(fused.LANES_VARIABLE, None)
+    if width is not None:
+        os.environ[fused.LANES_VARIABLE] = str(width)
+    try:
+        yield
+    finally:
+        os.environ.pop(fused.LANES_VARIABLE, None)
+        if before is not None:
+            os.environ[fused.LANES_VARIABLE] = before
+
+
+# The curve: (lane width or None for the per-seed loop, seeds per batch).
+LANE_CURVE = ((None, 4), (None, 16), (4, 4), (8, 8), (16, 16), (16, 32))
+
+
+def lane_curve(graph: Graph, epochs: int, rounds: int, points: tuple[tuple[int | None, int], ...] = LANE_CURVE) -> dict:
+    """Seed-epochs per CPU second of `gat.training.train` with `kernel: fused`, per-seed loop against seeds as lanes
+    (SeedLanes), at each (width, seeds per batch) of `points`: one thread, `epochs` epochs, no early stop, the points
+    taking turns `rounds` times. Every point trains the same seeds to the same bytes; only the time differs."""
+    reason = fused.unavailable_reason()
+    if reason is not None:
+        raise StageError(f"the fused kernel is unavailable ({reason}): run `make bench`, which builds it")
+    paper = protocol()
+    tensors = GraphTensors.from_graph(graph)
+    optim = OptimConfig(paper.optim.lr, paper.optim.weight_decay, max_epochs=epochs, patience=epochs + 1,
+                        kernel="fused")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    samples: dict[str, list[float]] = {}
+    try:
+        for _ in range(rounds):
+            for width, seeds in points:
+                with lanes(width):
+                    start = time.process_time()
+                    train(tensors, paper.model, optim, range(seeds))
+                    elapsed = time.process_time() - start
+                key = f"{'per-seed' if width is None else f'lanes of {width}'}, {seeds} seeds"
+                samples.setdefault(key, []).append(seeds * epochs / elapsed)
+    finally:
+        torch.set_num_threads(threads)
+    median = {key: percentile(values, 50) for key, values in samples.items()}
+    reference = median["per-seed, 4 seeds"]
+    best = max((key for key in median if key.startswith("lanes")), key=median.__getitem__)
+    speedup = median[best] / reference
+    return {"epochs": epochs, "rounds": rounds, "threads": 1, "clock": "process CPU time",
+            "seed_epochs_per_s": median, "seed_epochs_per_s_samples": samples,
+            "vs_per_seed_4": {key: value / reference for key, value in median.items()},
+            "best_lanes": best, "best_lanes_vs_per_seed": speedup, "target": LANES_SPEEDUP_TARGET,
+            "met": bool(speedup >= LANES_SPEEDUP_TARGET)}

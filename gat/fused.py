@@ -127,6 +127,15 @@ class _Adam(ctypes.Structure):
                 ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double), ("step", ctypes.c_double)]
 
 
+class _LaneRunSpec(ctypes.Structure):
+    _fields_ = [("train", ctypes.c_void_p), ("val", ctypes.c_void_p), ("replicas", ctypes.c_int64),
+                ("init", ctypes.c_void_p), ("checkpoint", ctypes.c_void_p), ("drop", _Dropout),
+                ("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
+                ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double), ("max_epochs", ctypes.c_int64),
+                ("patience", ctypes.c_int64), ("epochs", ctypes.c_void_p), ("best_epoch", ctypes.c_void_p),
+                ("best_acc", ctypes.c_void_p), ("best_loss", ctypes.c_void_p)]
+
+
 def compiler() -> str | None:
     """The C++ compiler a build uses: $CXX, else g++, else c++ (None: none on PATH)."""
     for name in (os.environ.get("CXX"), "g++", "c++"):
@@ -201,11 +210,12 @@ def load(path: Path) -> Any:
     try:
         lib = ctypes.CDLL(str(path))
         lib.gat_abi_sizes.restype = ctypes.c_int64
-        for function in ("gat_train_step_f32", "gat_train_step_f64", "gat_evaluate_f32", "gat_evaluate_f64"):
+        for function in ("gat_train_step_f32", "gat_train_step_f64", "gat_evaluate_f32", "gat_evaluate_f64",
+                         "gat_lanes_new", "gat_lanes_tick", "gat_lanes_free"):
             getattr(lib, function)
     except (OSError, AttributeError) as error:
         raise FusedUnavailable(f"cannot load the built library {path.name}: {error}") from None
-    for which, structure in ((0, _Problem), (1, _Dropout), (2, _Adam)):
+    for which, structure in ((0, _Problem), (1, _Dropout), (2, _Adam), (3, _LaneRunSpec)):
         if lib.gat_abi_sizes(which) != ctypes.sizeof(structure):
             raise FusedUnavailable(f"{structure.__name__} of gat/fused.py does not match fused.cpp's layout")
     pointer = ctypes.c_void_p
@@ -215,6 +225,12 @@ def load(path: Path) -> Any:
     lib.gat_evaluate_f64.argtypes = [pointer, ctypes.c_int64, *[pointer] * 4, ctypes.c_int]
     for function in ("gat_train_step_f32", "gat_train_step_f64", "gat_evaluate_f32", "gat_evaluate_f64"):
         getattr(lib, function).restype = ctypes.c_int
+    lib.gat_lanes_new.argtypes = [pointer, ctypes.c_int, ctypes.c_int]
+    lib.gat_lanes_new.restype = pointer
+    lib.gat_lanes_tick.argtypes = [pointer] * 6
+    lib.gat_lanes_tick.restype = ctypes.c_int64
+    lib.gat_lanes_free.argtypes = [pointer]
+    lib.gat_lanes_free.restype = None
     return lib
 
 
@@ -441,6 +457,92 @@ class FusedTrainer:
         if noise is not None:
             noise.select(replicas)
         self._pointers = self._streams_of = None  # new tensors, fewer streams
+
+
+LANE_WIDTHS = (4, 8, 16)  # the builds of fused.cpp's LaneRun
+LANES_VARIABLE = "GAT_FUSED_LANES"
+
+
+def requested_lanes() -> int | None:
+    """The lane width $GAT_FUSED_LANES asks `kernel: fused` to train with (SeedLanes), or None: the per-seed loop
+    (FusedTrainer), which `make bench` measured faster on Cora. Both give every seed the same bytes."""
+    chosen = os.environ.get(LANES_VARIABLE, "").strip()
+    if not chosen:
+        return None
+    if not chosen.isdigit() or int(chosen) not in LANE_WIDTHS:
+        raise ValueError(f"{LANES_VARIABLE}={chosen!r} is not a lane width: use one of "
+                         f"{', '.join(map(str, LANE_WIDTHS))}, or unset it")
+    return int(chosen)
+
+
+class SeedLanes:
+    """A batch of seeds trained to the end in the native loop, seeds as the lanes of each vector.
+
+    One call of tick() runs one epoch of every seed in a lane: the training step under dropout, Adam, the
+    validation pass and the authors' early stopping (gat.training.EarlyStopping), saving a seed's checkpoint
+    into `checkpoint` when both its validation figures improve. A lane whose seed stopped takes the batch's next
+    seed, so up to `lanes` seeds train side by side however many the batch has; groups of lanes run on up to
+    `threads` threads. Each lane computes what FusedTrainer computes for its seed, operation by operation: a seed's
+    result does not depend on the batch, its lane, the lane width or the thread count.
+
+    Shapes: checkpoint: the model's parameters [R, ...]; epochs, best_epoch: [R] int64; best_acc, best_loss:
+    [R] float64; after each tick, train_loss and val_loss [R] float32, train_acc and val_acc [R] float64, and
+    epoch_of [R] int64 (the epoch each seed just trained, 0 for those that did not train in it)
+    """
+
+    def __init__(self, model: GAT, lr: float, weight_decay: float, max_epochs: int, patience: int,
+                 train_view: Any, val_view: Any, noise: ReplicaDropout | None, lanes: int,
+                 threads: int = 1, lib: Any = None):
+        self._run = None
+        if lanes not in LANE_WIDTHS:
+            raise ValueError(f"lanes must be one of {LANE_WIDTHS}, got {lanes}")
+        self.lib = lib or library()
+        self.train_plan = model_plan(model, train_view.x, train_view.blocks, train_view.labels)
+        self.val_plan = model_plan(model, val_view.x, val_view.blocks, val_view.labels)
+        self.init = [p.detach().contiguous() for p in model.parameters()]
+        for p in self.init:
+            if p.dtype != torch.float32 or p.device.type != "cpu":
+                raise FusedUnavailable(f"the fused kernel trains float32 CPU parameters, got {p.dtype} on {p.device}")
+        self.checkpoint = [p.clone() for p in self.init]  # a seed that never saves keeps its initial weights
+        R = self.init[0].shape[0]
+        self.epochs = np.full(R, max_epochs, dtype=np.int64)
+        self.best_epoch = np.zeros(R, dtype=np.int64)
+        self.best_acc, self.best_loss = np.zeros(R), np.zeros(R)
+        self.train_loss, self.val_loss = np.zeros(R, dtype=np.float32), np.zeros(R, dtype=np.float32)
+        self.train_acc, self.val_acc = np.zeros(R), np.zeros(R)
+        self.epoch_of = np.zeros(R, dtype=np.int64)
+        self._init_pointers, self._checkpoint_pointers = _pointers(self.init), _pointers(self.checkpoint)
+        drop, self._states = _dropout(noise)
+        self._spec = _LaneRunSpec(
+            ctypes.addressof(self.train_plan.problem), ctypes.addressof(self.val_plan.problem), R,
+            ctypes.addressof(self._init_pointers), ctypes.addressof(self._checkpoint_pointers), drop,
+            lr, FusedTrainer.betas[0], FusedTrainer.betas[1], FusedTrainer.eps, weight_decay, max_epochs, patience,
+            self.epochs.ctypes.data, self.best_epoch.ctypes.data, self.best_acc.ctypes.data,
+            self.best_loss.ctypes.data)
+        self.lanes = lanes
+        self._run = self.lib.gat_lanes_new(ctypes.byref(self._spec), lanes, threads)
+        if not self._run:
+            raise FusedUnavailable(f"the lane kernel could not start {R} seeds in lanes of {self.lanes}")
+
+    def tick(self) -> int:
+        """One epoch of every seed in a lane; returns how many trained (0: every seed has stopped)."""
+        if not self._run:
+            raise RuntimeError("this SeedLanes run is closed")
+        trained = self.lib.gat_lanes_tick(self._run, self.train_loss.ctypes.data, self.train_acc.ctypes.data,
+                                          self.val_loss.ctypes.data, self.val_acc.ctypes.data,
+                                          self.epoch_of.ctypes.data)
+        if trained < 0:
+            raise RuntimeError("the fused kernel failed in an epoch of the lanes (out of memory?)")
+        return int(trained)
+
+    def close(self) -> None:
+        """Free the native run (its lanes' parameters and moments); the checkpoints and results stay."""
+        if self._run:
+            self.lib.gat_lanes_free(self._run)
+            self._run = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 _FALLBACK_SAID = False

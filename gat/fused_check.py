@@ -20,6 +20,7 @@ The tests (tests/test_fused.py) use the same graphs and comparisons, so there is
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable
 
 import torch
@@ -169,6 +170,77 @@ def check_adam(lib: Any, steps: int = 5) -> None:
         _assert_close(q.detach(), p.detach(), f"{name} after {steps} Adam steps", rtol=0.0, atol=1e-5)
 
 
+def per_seed_loop(lib: Any, graph: GraphTensors, config: ModelConfig, seeds: list[int], max_epochs: int,
+                  patience: int) -> tuple[list[Tensor], list[int], list[int]]:
+    """gat.training.train's per-seed loop on the fused kernel (FusedTrainer), reduced to what SeedLanes returns:
+    each seed's checkpoint, stopping epoch and checkpoint epoch."""
+    from gat.training import EarlyStopping
+
+    model = GAT(config, graph.x.num_features, graph.num_classes, seeds)
+    noise = ReplicaDropout(seeds, config.dropout) if config.dropout > 0 else None
+    trainer = fused.FusedTrainer(model, 0.005, 5e-4, NodeView.of(graph, graph.train_idx, 2),
+                                 NodeView.of(graph, graph.val_idx, 2), lib=lib)
+    checkpoint = [p.detach().clone() for p in model.parameters()]
+    stopping = EarlyStopping(len(seeds), patience)
+    epochs = [max_epochs] * len(seeds)
+    active = torch.arange(len(seeds))
+    for epoch in range(1, max_epochs + 1):
+        trainer.step(noise)
+        val_loss, val_acc = trainer.validate()
+        save, stop = stopping.update(active.numpy(), epoch, val_acc.numpy(), val_loss.numpy())
+        for saved in save.nonzero()[0]:
+            for kept, parameter in zip(checkpoint, model.parameters()):
+                kept[active[saved]] = parameter.detach()[saved]
+        for stopped in stop.nonzero()[0]:
+            epochs[int(active[stopped])] = epoch
+        if stop.all():
+            break
+        if stop.any():
+            keep = torch.from_numpy((~stop).nonzero()[0])
+            active = active[keep]
+            trainer.keep(keep, noise)
+    return checkpoint, epochs, stopping.checkpoint_epoch.tolist()
+
+
+def lanes_loop(lib: Any, graph: GraphTensors, config: ModelConfig, seeds: list[int], max_epochs: int, patience: int,
+               lanes: int, threads: int = 1) -> tuple[list[Tensor], list[int], list[int]]:
+    """The same seeds trained by SeedLanes in lanes of `lanes`."""
+    model = GAT(config, graph.x.num_features, graph.num_classes, seeds)
+    noise = ReplicaDropout(seeds, config.dropout) if config.dropout > 0 else None
+    run = fused.SeedLanes(model, 0.005, 5e-4, max_epochs, patience, NodeView.of(graph, graph.train_idx, 2),
+                          NodeView.of(graph, graph.val_idx, 2), noise, lanes, threads=threads, lib=lib)
+    while run.tick():
+        pass
+    run.close()
+    return run.checkpoint, run.epochs.tolist(), run.best_epoch.tolist()
+
+
+# Seeds as lanes: more seeds than lanes (so that seeds take the lanes others left), in each layout.
+LANE_CASES: dict[str, tuple[dict[str, int], ModelConfig, list[int]]] = {
+    "paper layout, dropout": (CASES["paper layout, dropout"][0], PAPER, list(range(6))),
+    "other sizes, heads averaged": (CASES["other sizes, heads averaged"][0], ModelConfig(5, 3, 2, 0.5, 0.1),
+                                    [2, 9, 4, 7, 11]),
+    "no dropout": (CASES["no dropout"][0], ModelConfig(8, 8, 1, 0.0, 0.2), [5, 6]),
+}
+
+
+def check_lanes(lib: Any, lanes: int, max_epochs: int = 40, patience: int = 5) -> None:
+    """SeedLanes against the per-seed loop, to the bit: every seed's checkpoint, stopping epoch and checkpoint epoch,
+    at lane width `lanes` (the per-seed kernel is the one checked against the torch path above)."""
+    for name, (layout, config, seeds) in LANE_CASES.items():
+        graph = GraphTensors.from_graph(random_graph(**layout))
+        expected = per_seed_loop(lib, graph, config, seeds, max_epochs, patience)
+        actual = lanes_loop(lib, graph, config, seeds, max_epochs, patience, lanes)
+        if actual[1:] != expected[1:]:
+            raise Disagreement(f"{name}, lanes of {lanes}: stopping and checkpoint epochs {actual[1:]} against the "
+                               f"per-seed kernel's {expected[1:]}")
+        for (parameter, _), a, b in zip(GAT(config, graph.x.num_features, graph.num_classes, seeds[:1])
+                                        .named_parameters(), actual[0], expected[0]):
+            if not torch.equal(a, b):
+                raise Disagreement(f"{name}, lanes of {lanes}: the checkpoint of {parameter} differs from the "
+                                   f"per-seed kernel's by up to {(a - b).abs().max().item():.3g}")
+
+
 def checks(lib: Any) -> dict[str, Callable[[], Any]]:
     """Every comparison of the self-check, by name, each a call that raises Disagreement."""
     def case_check(name: str) -> Callable[[], None]:
@@ -183,7 +255,8 @@ def checks(lib: Any) -> dict[str, Callable[[], Any]]:
 
     return {**{name: case_check(name) for name in CASES},
             "float64 gradients": lambda: check_double_precision(lib),
-            "Adam steps": lambda: check_adam(lib)}
+            "Adam steps": lambda: check_adam(lib),
+            **{f"seeds in lanes of {lanes}": functools.partial(check_lanes, lib, lanes) for lanes in fused.LANE_WIDTHS}}
 
 
 def disagreement(lib: Any) -> str | None:
@@ -218,4 +291,9 @@ def fingerprint(lib: Any, steps: int = 10) -> str:
             digest.update(values.numpy().tobytes())
     for parameter in model.parameters():
         digest.update(parameter.detach().numpy().tobytes())
+    for lanes in fused.LANE_WIDTHS:  # each width adds its own run, so a width that rounds differently changes it
+        checkpoint, epochs, best = lanes_loop(lib, graph, PAPER, [0, 1, 2, 3, 4], 30, 5, lanes)
+        digest.update(str((epochs, best)).encode())
+        for tensor in checkpoint:
+            digest.update(tensor.numpy().tobytes())
     return digest.hexdigest()

@@ -289,6 +289,9 @@ def train(graph: GraphTensors, config: ModelConfig, optim: OptimConfig, seeds: S
 
     train_view, val_view = (NodeView.of(graph, nodes, model.n_layers) for nodes in (graph.train_idx, graph.val_idx))
     kernel, kernel_used = select_training_kernel(model, optim, train_view, val_view)
+    lanes = fused.requested_lanes() if isinstance(kernel, fused.FusedTrainer) else None
+    if lanes is not None:
+        return _train_in_lanes(model, optim, seeds, noise, train_view, val_view, lanes, on_epoch)
     for epoch in range(1, optim.max_epochs + 1):
         train_loss, train_acc = kernel.step(noise)
 
@@ -316,6 +319,34 @@ def train(graph: GraphTensors, config: ModelConfig, optim: OptimConfig, seeds: S
     return TrainResult(restored.eval(), seeds, epochs, torch.from_numpy(stopping.checkpoint_epoch),
                        torch.from_numpy(stopping.checkpoint_acc), torch.from_numpy(stopping.checkpoint_loss),
                        kernel_used)
+
+
+def _train_in_lanes(model: GAT, optim: OptimConfig, seeds: tuple[int, ...], noise: ReplicaDropout | None,
+                    train_view: NodeView, val_view: NodeView, lanes: int,
+                    on_epoch: Callable[[EpochMetrics], None] | None) -> TrainResult:
+    """:func:`train`'s loop in the fused kernel's native one (gat.fused.SeedLanes): seeds as vector lanes, the
+    validation pass, early stopping and checkpoints in each native call, Python once per epoch for `on_epoch`.
+
+    Every seed gets the bytes the per-seed loop gives it. A seed that takes a lane another one left starts at its own
+    epoch 1, so EpochMetrics.epoch counts the calls: the epoch of every seed that started with the batch.
+    """
+    run = fused.SeedLanes(model, optim.lr, optim.weight_decay, optim.max_epochs, optim.patience, train_view,
+                          val_view, noise, lanes, threads=torch.get_num_threads())
+    try:
+        calls = 0
+        while run.tick():
+            calls += 1
+            if on_epoch is not None:
+                trained = np.flatnonzero(run.epoch_of)
+                metrics = (torch.from_numpy(values[trained])
+                           for values in (run.train_loss, run.train_acc, run.val_loss, run.val_acc))
+                on_epoch(EpochMetrics(calls, tuple(seeds[r] for r in trained), *metrics))
+    finally:
+        run.close()
+    restored = GAT(model.config, model.hidden.in_features, model.output.n_hidden, seeds)
+    restored.load_state_dict({name: value for (name, _), value in zip(model.named_parameters(), run.checkpoint)})
+    return TrainResult(restored.eval(), seeds, torch.from_numpy(run.epochs), torch.from_numpy(run.best_epoch),
+                       torch.from_numpy(run.best_acc), torch.from_numpy(run.best_loss), "fused")
 
 
 def _keep_replicas(model: GAT, optimiser: torch.optim.Adam, noise: ReplicaDropout | None,

@@ -434,3 +434,80 @@ def test_a_variant_trains_with_torch_and_its_kernel_says_why(small_graph: GraphT
         assert train(small_graph, variant, fused_optim, SEEDS[:1]).kernel == expected
     torch_optim = dataclasses.replace(fused_optim, kernel="torch")
     assert train(small_graph, variant, torch_optim, SEEDS[:1]).kernel == "torch"
+
+
+# Seeds as lanes (gat.fused.SeedLanes) ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lanes", fused.LANE_WIDTHS)
+def test_seeds_in_lanes_are_the_per_seed_kernels_bytes(lanes: int) -> None:
+    """Each layout of the self-check, more seeds than lanes: checkpoints and epochs to the bit (gat.fused_check)."""
+    from gat.fused_check import check_lanes
+
+    check_lanes(fused.library(), lanes)
+
+
+@pytest.mark.parametrize("lanes", fused.LANE_WIDTHS)
+def test_train_in_lanes_gives_every_seed_its_bytes(small_graph: GraphTensors, lanes: int, monkeypatch) -> None:
+    """train() with $GAT_FUSED_LANES: the same TrainResult as the per-seed loop, seed by seed, whatever the width,
+    however many seeds (6 seeds in lanes of 4: two take lanes others left) and on two threads (two lane groups)."""
+    seeds = [*SEEDS, 13, 2]
+    per_seed = train(small_graph, SMALL, FAST, seeds)
+    metrics: list = []
+    monkeypatch.setenv(fused.LANES_VARIABLE, str(lanes))
+    in_lanes = train(small_graph, SMALL, FAST, seeds, on_epoch=metrics.append)
+    assert in_lanes.kernel == "fused"
+    for r in range(len(seeds)):
+        assert_same_replica(per_seed, r, in_lanes, r)
+    # Every seed reports each of its epochs once, under dropout and then validated, and its last is its stop.
+    reported: dict[int, int] = {}
+    for m in metrics:
+        for seed in m.seeds:
+            reported[seed] = reported.get(seed, 0) + 1
+    assert reported == {seed: int(per_seed.epochs[r]) for r, seed in enumerate(seeds)}
+    torch.set_num_threads(2)
+    two_groups = train(small_graph, SMALL, FAST, seeds)
+    for r in range(len(seeds)):
+        assert_same_replica(per_seed, r, two_groups, r)
+
+
+def test_the_lane_metrics_are_the_per_seed_loops(small_graph: GraphTensors, monkeypatch) -> None:
+    """What on_epoch gets from the lanes (each seed's losses and accuracies per epoch) is the per-seed loop's."""
+    def history(lanes: str | None) -> dict[tuple[int, int], tuple[float, ...]]:
+        if lanes is None:
+            monkeypatch.delenv(fused.LANES_VARIABLE, raising=False)
+        else:
+            monkeypatch.setenv(fused.LANES_VARIABLE, lanes)
+        rows: dict[tuple[int, int], tuple[float, ...]] = {}
+        epoch_of: dict[int, int] = {}
+
+        def record(m) -> None:
+            for i, seed in enumerate(m.seeds):
+                epoch_of[seed] = epoch_of.get(seed, 0) + 1
+                rows[(seed, epoch_of[seed])] = (m.train_loss[i].item(), m.train_acc[i].item(), m.val_loss[i].item(),
+                                                m.val_acc[i].item())
+        train(small_graph, SMALL, FAST, SEEDS, on_epoch=record)
+        return rows
+
+    assert history("4") == history(None)
+
+
+def test_a_bad_lane_width_is_one_line(monkeypatch) -> None:
+    from stages.support.params import StageError, check_lanes_variable
+
+    monkeypatch.setenv(fused.LANES_VARIABLE, "12")
+    with pytest.raises(StageError, match="GAT_FUSED_LANES='12' is not a lane width: use one of 4, 8, 16"):
+        check_lanes_variable()
+    with pytest.raises(ValueError):
+        fused.SeedLanes(GAT(SMALL, 4, 3, [0]), 0.005, 5e-4, 10, 5, None, None, None, lanes=12)
+
+
+def test_the_benchmark_draws_the_lane_curve(cora_graph: Graph) -> None:
+    from benchmarks import report as bench_report, throughput
+
+    curve = throughput.lane_curve(cora_graph, epochs=2, rounds=1, points=((None, 4), (4, 4), (8, 2)))
+    assert set(curve["seed_epochs_per_s"]) == {"per-seed, 4 seeds", "lanes of 4, 4 seeds", "lanes of 8, 2 seeds"}
+    assert curve["vs_per_seed_4"]["per-seed, 4 seeds"] == 1.0 and min(curve["seed_epochs_per_s"].values()) > 0
+    best = curve["best_lanes"]
+    assert curve["best_lanes_vs_per_seed"] == pytest.approx(curve["vs_per_seed_4"][best])
+    assert curve["met"] == (curve["best_lanes_vs_per_seed"] >= bench_report.LANES_SPEEDUP_TARGET)
+    assert fused.LANES_VARIABLE not in os.environ

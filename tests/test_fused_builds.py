@@ -1,12 +1,14 @@
 """The fused kernel built several ways on this one machine: the stand-in for "another CPU, another compiler setting".
 
-Each build (-O3 at the x86-64 levels v2, v3 and v4 where the CPU has AVX-512, -march=native, and one with
-AddressSanitizer and UndefinedBehaviorSanitizer) is compiled into a folder of its own by `python -m
+Each build (-O3 at the x86-64 levels v1 (SSE2), v2, v3 and v4 where the CPU has AVX-512, -march=native, and one
+with AddressSanitizer and UndefinedBehaviorSanitizer) is compiled into a folder of its own by `python -m
 tools.build_fused --fingerprint`, in a process of its own, which
 
 - runs the build's self-check (gat.fused_check: forward, float32 and float64 gradients, validation and Adam steps
   against the torch path, on small random graphs), so every build passes the kernel's correctness checks;
-- prints the SHA-256 of the float32 weights after a short training run.
+- prints the SHA-256 of the float32 weights after a short training run, and of seeds trained as vector lanes at
+  each lane width (4, 8, 16: per level, one vector of SSE, AVX2 or AVX-512, or several, or the plain-code widening
+  of the masks at v1), so every width of every build must give the per-seed kernel's bytes.
 
 With no fast-math and no FMA contraction, each operation rounds alike at every vector width, so every build must
 give the same fingerprint as the default one, bit for bit. GCC 12.2 at -O3 -march=x86-64-v3 once failed the float64
@@ -38,6 +40,7 @@ def _cpu_flags() -> frozenset[str]:
 
 
 BUILDS = {
+    "x86-64": ("-O3 -march=x86-64", {}),
     "x86-64-v2": ("-O3 -march=x86-64-v2", {}),
     "x86-64-v3": ("-O3 -march=x86-64-v3", {}),
     "x86-64-v4": ("-O3 -march=x86-64-v4", {}),

@@ -22,11 +22,12 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <type_traits>
 #include <thread>
 #include <vector>
 
-#if defined(__AVX2__)
+#if defined(__SSE4_1__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -228,7 +229,7 @@ T dot(const T* a, const T* b, index_t n) {
 // exp and expm1 of a whole array, in loops the compiler vectorises: libm's scalar calls were a third of
 // the validation pass. float: Cephes' expf polynomial (about 1 ulp, as the SLEEF kernels torch uses);
 // double, for the gradient check only: the C library.
-inline float exp_approx(float x) {
+__attribute__((always_inline)) inline float exp_approx(float x) {
   constexpr float lo = -87.3365447504019f, hi = 88.3762626647949f;
   const float xc = std::min(std::max(x, lo), hi);
   const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
@@ -248,7 +249,7 @@ inline float exp_approx(float x) {
 }
 
 // expm1 for x <= 0 (ELU's negative side): Taylor's series near 0, where exp(x) - 1 would cancel.
-inline float expm1_approx(float x) {
+__attribute__((always_inline)) inline float expm1_approx(float x) {
   const float x2 = x * x;
   float t = 1.0f / 40320;
   t = t * x + 1.0f / 5040;
@@ -1044,6 +1045,740 @@ int evaluate(const Problem* p, index_t R, void* const* params, T* loss, double* 
   });
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// Seeds as vector lanes: the epochs of a batch of seeds in one native loop (gat_lanes_*).
+//
+// Every seed runs the same operations on the same graph, so a vector of L floats holds one value of L seeds
+// ("lanes"), and every operation above, written for one replica, is here one vector operation for L of them:
+// each lane does exactly one seed's arithmetic, in exactly the order of the per-replica code (the sums below
+// follow it term by term, including its sum8 trees), so a seed's bytes do not depend on L, on its lane, on its
+// batch-mates or on the CPU. The graph (sparse features, edge lists, softmax segments) is read once per L seeds.
+//
+// A lane group also keeps its seeds' Adam moments, early stopping and checkpoints: one call (gat_lanes_tick) runs
+// one epoch of every lane (training step, validation pass, early stopping), and a lane whose seed stopped takes
+// the batch's next seed, at its own epoch 1, so that the lanes stay full until the batch runs out.
+// Parameters live in the group lane-interleaved [numel][L], W of the second layer as [H][F'][F_in] (a dot product
+// along contiguous memory); activations head-major, [H][nodes][F'], as in the per-replica code.
+
+template <int L>
+struct LaneTypes;
+#define GAT_LANE_TYPES(N)                                        \
+  template <>                                                    \
+  struct LaneTypes<N> {                                          \
+    typedef float V __attribute__((vector_size(4 * N)));         \
+    typedef int32_t I __attribute__((vector_size(4 * N)));       \
+  };
+GAT_LANE_TYPES(4)
+GAT_LANE_TYPES(8)
+GAT_LANE_TYPES(16)
+#undef GAT_LANE_TYPES
+
+template <int L>
+struct Lanes {
+  using V = typename LaneTypes<L>::V;  // one float of each of L seeds
+  using I = typename LaneTypes<L>::I;
+
+  // 0 or the dropout scale in each lane, from a mask stored as one byte per lane (0x00 dropped, 0xFF kept): the
+  // bytes sign-extended to all ones or zeros, and the scale's bits kept where they are ones. GCC 12 turns
+  // __builtin_convertvector's byte widening into 16 scalar moves, which made it the most expensive step of the
+  // layer; the vector instructions that widen bytes do it in one.
+  static V kept(const uint8_t* mask, V scale) {
+    I all_ones;
+#if defined(__AVX512F__)
+    if constexpr (L == 16) {
+      all_ones = __builtin_bit_cast(I, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mask))));
+    } else
+#endif
+#if defined(__AVX2__)
+    if constexpr (L == 8) {
+      all_ones = __builtin_bit_cast(I, _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mask))));
+    } else
+#endif
+#if defined(__SSE4_1__)
+    if constexpr (L == 4) {
+      int32_t word;
+      std::memcpy(&word, mask, 4);
+      all_ones = __builtin_bit_cast(I, _mm_cvtepi8_epi32(_mm_cvtsi32_si128(word)));
+    } else
+#endif
+    {
+      for (int lane = 0; lane < L; ++lane) all_ones[lane] = static_cast<int8_t>(mask[lane]);
+    }
+    return __builtin_bit_cast(V, __builtin_bit_cast(I, scale) & all_ones);
+  }
+  static V splat(float x) { return V{} + x; }
+  static V sum8(const V* p) { return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7])); }
+};
+
+// The keep decisions of ReplicaDropout.keep for `count` elements, one byte each (0xFF kept, 0x00 dropped), from
+// the same draws as draw_mask. `out` holds count rounded up to 8 bytes.
+inline void draw_kept_bytes(const Dropout& d, void* state, index_t count, uint8_t* out, std::vector<index_t>& ties) {
+  ties.clear();
+  constexpr uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
+  const uint64_t pattern = ones * d.threshold_top;
+  const index_t words = (count + 7) / 8;
+  for (index_t w = 0; w < words; ++w) {
+    const uint64_t word = d.next(state);
+    std::memcpy(out + 8 * w, &word, 8);  // little-endian: byte b is (word >> 8b) & 0xFF
+    const uint64_t x = word ^ pattern;
+    if ((x - ones) & ~x & highs) {
+      for (index_t n = 8 * w; n < std::min(8 * w + 8, count); ++n)
+        if (out[n] == d.threshold_top) ties.push_back(n);
+    }
+  }
+  const uint8_t top = d.threshold_top;
+  for (index_t n = 0; n < count; ++n) out[n] = out[n] > top ? 0xFF : 0x00;
+  for (index_t n : ties) out[n] = (d.next(state) & 0xFFFFFFu) >= d.threshold_rest ? 0xFF : 0x00;
+}
+
+// Per-replica layout (gat.layers, torch) <-> lane layout: the position in the group of element `t` of parameter
+// `which` of layer `l`.
+inline index_t lane_position(const Problem& p, int l, int which, index_t t) {
+  if (which != 0 || l == 0) return t;  // W of the first layer keeps torch's [H, F_in, F'] in the lanes
+  const index_t F = p.hidden[1], fin = p.heads[0] * p.hidden[0];
+  const index_t k = t / (fin * F), q = (t / F) % fin, f = t % F;  // torch: W [H, F_in, F']
+  return (k * F + f) * fin + q;
+}
+
+template <int L>
+struct LaneGroup {
+  using V = typename Lanes<L>::V;
+  struct Activations {  // one problem's forward pass (the training or the validation view)
+    std::vector<V> input1;                       // layer 2's input under dropout [H, S, F_in]
+    std::vector<V> g[2], g_dropped[2];           // [S, H, F']
+    std::vector<V> z[2], alpha[2], a_dropped[2]; // [E, H]
+    std::vector<V> pre[2];                       // [T, H, F']
+    std::vector<V> hidden, logits;               // [T1, H·F'], [T2, C]
+    std::vector<uint8_t> mask_x, mask_input1, mask_alpha[2], mask_g[2];  // stream order [n][L]
+    std::vector<V> s_target, s_source;           // [T, H], [S, H]
+  };
+
+  const Problem* train_p;
+  const Problem* val_p;
+  index_t numel;
+  index_t offsets[2][kParams];
+  std::vector<V> param, exp_avg, exp_avg_sq, grad;
+  int replica[L];       // the replica in each lane, or -1
+  int64_t epoch[L];     // epochs the lane's replica has trained
+  int64_t wait[L];
+  double best_acc[L], best_loss[L];
+  Activations train_acts, val_acts;
+  // The backward pass.
+  std::vector<V> grad_logits, grad_hidden, grad_out, grad_g, grad_alpha, grad_s_target, grad_s_source, slope_of;
+  // Masks: each lane's draw, then interleaved.
+  std::vector<uint8_t> lane_bytes;
+  std::vector<index_t> ties;
+  float loss_train[L], loss_val[L];
+  double acc_train[L], acc_val[L];
+
+  LaneGroup(const Problem* t, const Problem* v) : train_p(t), val_p(v) {
+    numel = 0;
+    for (int l = 0; l < 2; ++l)
+      for (int i = 0; i < kParams; ++i) {
+        offsets[l][i] = numel;
+        numel += param_numel(*t, l, i);
+      }
+    param.assign(numel, V{});
+    exp_avg.assign(numel, V{});
+    exp_avg_sq.assign(numel, V{});
+    grad.assign(numel, V{});
+    for (int lane = 0; lane < L; ++lane) {  // idle lanes: zeros, at epoch 0, compute finite numbers no one reads
+      replica[lane] = -1;
+      epoch[lane] = wait[lane] = 0;
+      best_acc[lane] = best_loss[lane] = 0.0;
+    }
+  }
+
+  V* P(int l, int which) { return param.data() + offsets[l][which]; }
+  V* G(int l, int which) { return grad.data() + offsets[l][which]; }
+
+  void load(int lane, int r, void* const* init) {
+    for (int l = 0; l < 2; ++l)
+      for (int i = 0; i < kParams; ++i) {
+        const index_t n = param_numel(*train_p, l, i);
+        const float* src = static_cast<const float*>(init[l * kParams + i]) + r * n;
+        V* dst = P(l, i);
+        V* m = exp_avg.data() + offsets[l][i];
+        V* v = exp_avg_sq.data() + offsets[l][i];
+        for (index_t t = 0; t < n; ++t) {
+          const index_t at = lane_position(*train_p, l, i, t);
+          dst[at][lane] = src[t];
+          m[at][lane] = 0.0f;
+          v[at][lane] = 0.0f;
+        }
+      }
+    replica[lane] = r;
+    epoch[lane] = 0;
+    wait[lane] = 0;
+    best_acc[lane] = 0.0;
+    best_loss[lane] = INFINITY;
+  }
+
+  void save(int lane, void* const* checkpoint) {
+    const int r = replica[lane];
+    for (int l = 0; l < 2; ++l)
+      for (int i = 0; i < kParams; ++i) {
+        const index_t n = param_numel(*train_p, l, i);
+        float* dst = static_cast<float*>(checkpoint[l * kParams + i]) + r * n;
+        const V* src = P(l, i);
+        for (index_t t = 0; t < n; ++t) dst[t] = src[lane_position(*train_p, l, i, t)][lane];
+      }
+  }
+
+  // Each active lane's masks for `count` elements of its stream, interleaved into `out` [count][L]; an idle lane
+  // keeps everything and draws nothing.
+  void draw(const Dropout& d, index_t count, std::vector<uint8_t>& out) {
+    const index_t row = (count + 7) / 8 * 8;
+    lane_bytes.resize(row * L);
+    out.resize(count * L);
+    for (int lane = 0; lane < L; ++lane) {
+      uint8_t* mine = lane_bytes.data() + lane * row;
+      if (replica[lane] >= 0) {
+        draw_kept_bytes(d, d.states[replica[lane]], count, mine, ties);
+      } else {
+        std::fill(mine, mine + row, uint8_t(0xFF));
+      }
+    }
+    constexpr index_t block = 64;
+    for (index_t n0 = 0; n0 < count; n0 += block) {
+      const index_t n1 = std::min(count, n0 + block);
+      for (int lane = 0; lane < L; ++lane) {
+        const uint8_t* mine = lane_bytes.data() + lane * row;
+        for (index_t n = n0; n < n1; ++n) out[n * L + lane] = mine[n];
+      }
+    }
+  }
+
+  // g = W·dropout(x) of the first layer for features [f0, f0 + FW) of head k: FW accumulators in registers, and
+  // the slice of W that the pass gathers rows of, [F_in, FW] of L lanes, small enough to stay in a core's L2 cache.
+  template <int FW>
+  void first_product(const Problem& p, const uint8_t* mask, V scale, V* g, index_t k, index_t f0) {
+    const index_t S = p.block[0].sources, nnz = p.nnz, fin = p.f_in, F = p.hidden[0];
+    const float* x = static_cast<const float*>(p.x_val);
+    const V* W = P(0, 0) + k * fin * F + f0;
+    V* gk = g + k * S * F + f0;
+    for (index_t j = 0; j < S; ++j) {
+      V acc[FW] = {};
+      for (index_t e = p.x_crow[j]; e < p.x_crow[j + 1]; ++e) {
+        const V* row = W + p.x_col[e] * F;
+        const V v = mask ? x[e] * Lanes<L>::kept(mask + (k * nnz + e) * L, scale) : Lanes<L>::splat(x[e]);
+        for (int f = 0; f < FW; ++f) acc[f] += v * row[f];
+      }
+      for (int f = 0; f < FW; ++f) gk[j * F + f] = acc[f];
+    }
+  }
+
+  // ∂L/∂W of the same slice, by x's columns (rows ascending: the order of the per-replica sums).
+  template <int FW>
+  void first_weight_grad(const Problem& p, const uint8_t* mask, V scale, const V* dg, index_t k, index_t f0) {
+    const index_t S = p.block[0].sources, nnz = p.nnz, fin = p.f_in, F = p.hidden[0];
+    const float* x = static_cast<const float*>(p.x_val);
+    V* dW = G(0, 0) + k * fin * F + f0;
+    const V* dgk = dg + k * S * F + f0;
+    for (index_t q = 0; q < fin; ++q) {
+      V acc[FW] = {};
+      for (index_t t = p.x_ccol[q]; t < p.x_ccol[q + 1]; ++t) {
+        const index_t e = p.x_pos[t];
+        const V* dgj = dgk + p.x_row[t] * F;
+        const V v = mask ? x[e] * Lanes<L>::kept(mask + (k * nnz + e) * L, scale) : Lanes<L>::splat(x[e]);
+        for (int f = 0; f < FW; ++f) acc[f] += v * dgj[f];
+      }
+      for (int f = 0; f < FW; ++f) dW[q * F + f] = acc[f];
+    }
+  }
+
+  // The first layer's product (or weight gradient), FW features at a time where F' allows, else one by one.
+  template <bool Backward>
+  void first_layer_pass(const Problem& p, const uint8_t* mask, V scale, V* g_or_dg) {
+    const index_t H = p.heads[0], F = p.hidden[0];
+    constexpr int FW = 8;
+    for (index_t k = 0; k < H; ++k) {
+      if (F % FW == 0) {
+        for (index_t f0 = 0; f0 < F; f0 += FW) {
+          if constexpr (Backward) first_weight_grad<FW>(p, mask, scale, g_or_dg, k, f0);
+          else first_product<FW>(p, mask, scale, g_or_dg, k, f0);
+        }
+      } else {
+        for (index_t f0 = 0; f0 < F; ++f0) {
+          if constexpr (Backward) first_weight_grad<1>(p, mask, scale, g_or_dg, k, f0);
+          else first_product<1>(p, mask, scale, g_or_dg, k, f0);
+        }
+      }
+    }
+  }
+
+  // Layer l's forward pass of every lane (per-replica: layer_forward).
+  // FC: F' when known at compile time (0: read from the problem), as layer_forward's.
+  template <int FC>
+  void layer_forward(const Problem& p, int l, bool dropout, const Dropout& d, Activations& a, const V* input,
+                     V* output) {
+    constexpr int KM = FC > 0 ? FC : kMaxFeatures;
+    const Block& b = p.block[l];
+    const index_t H = p.heads[l], F = FC > 0 ? FC : p.hidden[l], S = b.sources, Tn = b.targets, E = b.edges;
+    const index_t fin = l == 0 ? p.f_in : p.heads[0] * p.hidden[0];
+    const V scale = Lanes<L>::splat(d.scale), zero = {}, slope = Lanes<L>::splat(static_cast<float>(p.negative_slope));
+    std::vector<V>& g = a.g[l];
+    g.resize(S * H * F);
+    if (l == 0) {
+      if (dropout) draw(d, H * p.nnz, a.mask_x);
+      first_layer_pass<false>(p, dropout ? a.mask_x.data() : nullptr, scale, g.data());
+    } else {
+      const V* in = input;
+      if (dropout) {
+        draw(d, H * S * fin, a.mask_input1);
+        a.input1.resize(H * S * fin);
+        for (index_t k = 0; k < H; ++k)
+          for (index_t n = 0; n < S * fin; ++n)
+            a.input1[k * S * fin + n] = input[n] * Lanes<L>::kept(a.mask_input1.data() + (k * S * fin + n) * L, scale);
+      }
+      const V* W = P(1, 0);
+      for (index_t k = 0; k < H; ++k) {
+        const V* hk = dropout ? a.input1.data() + k * S * fin : in;
+        for (index_t j = 0; j < S; ++j) {
+          const V* hj = hk + j * fin;
+          for (index_t f = 0; f < F; ++f) {
+            const V* wf = W + (k * F + f) * fin;
+            if (fin % 8 == 0) {  // 8 partial sums, then the sum8 tree
+              V part[8] = {};
+              for (index_t q = 0; q < fin; q += 8)
+                for (int r = 0; r < 8; ++r) part[r] += hj[q + r] * wf[q + r];
+              g[(k * S + j) * F + f] = Lanes<L>::sum8(part);
+            } else {
+              V acc = {};
+              for (index_t q = 0; q < fin; ++q) acc += hj[q] * wf[q];
+              g[(k * S + j) * F + f] = acc;
+            }
+          }
+        }
+      }
+    }
+
+    // Scores, LeakyReLU and the softmax over each neighbourhood.
+    const V* a_t = P(l, 1);
+    const V* a_s = P(l, 2);
+    const V* b_t = P(l, 3);
+    const V* b_s = P(l, 4);
+    a.s_source.resize(S * H);
+    a.s_target.resize(Tn * H);
+    for (index_t j = 0; j < S; ++j)
+      for (index_t k = 0; k < H; ++k) {
+        V s = {};
+        for (index_t f = 0; f < F; ++f) s += g[(k * S + j) * F + f] * a_s[k * F + f];
+        a.s_source[k * S + j] = s + b_s[k];
+      }
+    for (index_t i = 0; i < Tn; ++i)
+      for (index_t k = 0; k < H; ++k) {
+        V s = {};
+        for (index_t f = 0; f < F; ++f) s += g[(k * S + b.target_in_source[i]) * F + f] * a_t[k * F + f];
+        a.s_target[k * Tn + i] = s + b_t[k];
+      }
+    std::vector<V>& z = a.z[l];
+    std::vector<V>& alpha = a.alpha[l];
+    z.resize(E * H);
+    alpha.resize(E * H);
+    for (index_t i = 0; i < Tn; ++i)
+      for (index_t k = 0; k < H; ++k) {
+        V shift = zero - INFINITY;
+        for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
+          const V ze = a.s_target[k * Tn + i] + a.s_source[k * S + b.source[e]];
+          z[k * E + e] = ze;
+          const V leaky = ze > zero ? ze : ze * slope;
+          alpha[k * E + e] = leaky;
+          shift = shift < leaky ? leaky : shift;
+        }
+        for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) alpha[k * E + e] = alpha[k * E + e] - shift;
+      }
+    exp_inplace(reinterpret_cast<float*>(alpha.data()), E * H * L);
+    for (index_t i = 0; i < Tn; ++i)
+      for (index_t k = 0; k < H; ++k) {
+        V total = {};
+        for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) total += alpha[k * E + e];
+        for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) alpha[k * E + e] = alpha[k * E + e] / total;
+      }
+
+    // Dropout on α, then on g (the stream's order), and the aggregation.
+    const V* ad = alpha.data();
+    const V* gd = g.data();
+    if (dropout) {
+      draw(d, H * E, a.mask_alpha[l]);
+      draw(d, H * S * F, a.mask_g[l]);
+      a.a_dropped[l].resize(E * H);
+      a.g_dropped[l].resize(S * H * F);
+      for (index_t e = 0; e < E; ++e)
+        for (index_t k = 0; k < H; ++k)
+          a.a_dropped[l][k * E + e] = alpha[k * E + e] * Lanes<L>::kept(a.mask_alpha[l].data() + (k * E + e) * L, scale);
+      for (index_t j = 0; j < S; ++j)
+        for (index_t k = 0; k < H; ++k)
+          for (index_t f = 0; f < F; ++f)
+            a.g_dropped[l][(k * S + j) * F + f] =
+                g[(k * S + j) * F + f] * Lanes<L>::kept(a.mask_g[l].data() + ((k * S + j) * F + f) * L, scale);
+      ad = a.a_dropped[l].data();
+      gd = a.g_dropped[l].data();
+    }
+    const V* bias = P(l, 5);
+    std::vector<V>& pre = a.pre[l];
+    pre.resize(Tn * H * F);
+    for (index_t i = 0; i < Tn; ++i)
+      for (index_t k = 0; k < H; ++k) {
+        V acc[KM] = {};
+        for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
+          const V w = ad[k * E + e];
+          const V* gj = gd + (k * S + b.source[e]) * F;
+          for (index_t f = 0; f < F; ++f) acc[f] += w * gj[f];
+        }
+        for (index_t f = 0; f < F; ++f) pre[(k * Tn + i) * F + f] = acc[f] + bias[k * F + f];
+      }
+    if (l == 0) {  // ELU, heads concatenated: [T, H·F'] is pre's own layout
+      for (index_t k = 0; k < H; ++k)
+        for (index_t i = 0; i < Tn; ++i)
+          for (index_t f = 0; f < F; ++f) output[(i * H + k) * F + f] = pre[(k * Tn + i) * F + f];
+      elu_inplace(reinterpret_cast<float*>(output), Tn * H * F * L);
+    } else {  // the mean of the heads
+      for (index_t i = 0; i < Tn; ++i)
+        for (index_t f = 0; f < F; ++f) {
+          V sum = zero;
+          for (index_t k = 0; k < H; ++k) sum += pre[(k * Tn + i) * F + f];
+          output[i * F + f] = sum / static_cast<float>(H);
+        }
+    }
+  }
+
+  template <typename... Args>
+  void layer_forward_any(const Problem& p, int l, Args&&... args) {
+    switch (p.hidden[l]) {
+      case 8: return layer_forward<8>(p, l, args...);
+      case 7: return layer_forward<7>(p, l, args...);
+      case 6: return layer_forward<6>(p, l, args...);
+      case 3: return layer_forward<3>(p, l, args...);
+      default: return layer_forward<0>(p, l, args...);
+    }
+  }
+
+  template <typename... Args>
+  void layer_backward_any(const Problem& p, int l, Args&&... args) {
+    switch (p.hidden[l]) {
+      case 8: return layer_backward<8>(p, l, args...);
+      case 7: return layer_backward<7>(p, l, args...);
+      case 6: return layer_backward<6>(p, l, args...);
+      case 3: return layer_backward<3>(p, l, args...);
+      default: return layer_backward<0>(p, l, args...);
+    }
+  }
+
+  void forward(const Problem& p, bool dropout, const Dropout& d, Activations& a) {
+    a.hidden.resize(p.block[0].targets * p.heads[0] * p.hidden[0]);
+    a.logits.resize(p.block[1].targets * p.hidden[1]);
+    layer_forward_any(p, 0, dropout, d, a, nullptr, a.hidden.data());
+    layer_forward_any(p, 1, dropout, d, a, a.hidden.data(), a.logits.data());
+  }
+
+  // Mean cross-entropy and accuracy of each lane (per-replica: loss_and_accuracy, with libm's exp and log).
+  void loss_and_accuracy(const Problem& p, const Activations& a, float* loss, double* accuracy, V* grad) {
+    const index_t M = p.block[1].targets, C = p.hidden[1];
+    std::vector<float> x(C);
+    for (int lane = 0; lane < L; ++lane) {
+      float total = 0.0f;
+      index_t correct = 0;
+      for (index_t i = 0; i < M; ++i) {
+        for (index_t c = 0; c < C; ++c) x[c] = a.logits[i * C + c][lane];
+        index_t best = 0;
+        for (index_t c = 1; c < C; ++c) best = x[c] > x[best] ? c : best;
+        correct += best == p.labels[i];
+        float sum = 0.0f;
+        for (index_t c = 0; c < C; ++c) sum += std::exp(x[c] - x[best]);
+        const float log_sum = std::log(sum) + x[best];
+        total += log_sum - x[p.labels[i]];
+        if (grad != nullptr) {
+          for (index_t c = 0; c < C; ++c) {
+            const float probability = std::exp(x[c] - log_sum);
+            grad[i * C + c][lane] = ((c == p.labels[i]) ? probability - 1.0f : probability) / static_cast<float>(M);
+          }
+        }
+      }
+      loss[lane] = total / static_cast<float>(M);
+      accuracy[lane] = static_cast<double>(correct) / static_cast<double>(M);
+    }
+  }
+
+  // Layer l's backward pass of every lane (per-replica: layer_backward and score_grads).
+  template <int FC>
+  void layer_backward(const Problem& p, int l, bool dropout, const Activations& a, const V* grad_output,
+                      V* grad_input) {
+    const Block& b = p.block[l];
+    const index_t H = p.heads[l], F = FC > 0 ? FC : p.hidden[l], S = b.sources, Tn = b.targets, E = b.edges;
+    const index_t fin = l == 0 ? p.f_in : p.heads[0] * p.hidden[0];
+    const V scale = Lanes<L>::splat(static_cast<float>(dropout_scale)), zero = {};
+    const V slope = Lanes<L>::splat(static_cast<float>(p.negative_slope));
+    const std::vector<V>& pre = a.pre[l];
+    const std::vector<V>& alpha = a.alpha[l];
+    const std::vector<V>& z = a.z[l];
+    const std::vector<V>& g = a.g[l];
+    const V* gd = dropout ? a.g_dropped[l].data() : g.data();
+    grad_out.resize(Tn * F);
+    grad_g.assign(S * H * F, zero);
+    grad_alpha.resize(E * H);
+    grad_s_target.resize(Tn * H);
+    grad_s_source.assign(S * H, zero);
+    if (l == 0) {  // ELU's derivative, exp(min(x, 0)), for every element at once
+      slope_of.resize(Tn * H * F);
+      for (index_t n = 0; n < Tn * H * F; ++n) {
+        const V x = pre[n];
+        slope_of[n] = zero < x ? zero : x;  // std::min(x, 0)
+      }
+      exp_inplace(reinterpret_cast<float*>(slope_of.data()), Tn * H * F * L);
+    }
+    V* dbias = G(l, 5);
+    for (index_t k = 0; k < H; ++k) {
+      V* dout = grad_out.data();
+      if (l == 0) {
+        for (index_t i = 0; i < Tn; ++i)
+          for (index_t f = 0; f < F; ++f) dout[i * F + f] = grad_output[(i * H + k) * F + f] * slope_of[(k * Tn + i) * F + f];
+      } else {
+        for (index_t n = 0; n < Tn * F; ++n) dout[n] = grad_output[n] / static_cast<float>(H);
+      }
+      for (index_t f = 0; f < F; ++f) {
+        V acc = zero;
+        for (index_t i = 0; i < Tn; ++i) acc += dout[i * F + f];
+        dbias[k * F + f] = acc;
+      }
+      // Aggregation.
+      for (index_t i = 0; i < Tn; ++i) {
+        const V* di = dout + i * F;
+        for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
+          const index_t j = b.source[e];
+          const V am = dropout ? Lanes<L>::kept(a.mask_alpha[l].data() + (k * E + e) * L, scale) : zero;
+          const V w = dropout ? alpha[k * E + e] * am : alpha[k * E + e];
+          const V* gj = gd + (k * S + j) * F;
+          V da;
+          if (F == 8) {
+            V prod[8];
+            for (int f = 0; f < 8; ++f) prod[f] = di[f] * gj[f];
+            da = Lanes<L>::sum8(prod);
+          } else {
+            da = zero;
+            for (index_t f = 0; f < F; ++f) da += di[f] * gj[f];
+          }
+          grad_alpha[k * E + e] = dropout ? da * am : da;
+          V* dgj = grad_g.data() + (k * S + j) * F;
+          for (index_t f = 0; f < F; ++f) dgj[f] += w * di[f];
+        }
+      }
+      if (dropout) {
+        for (index_t j = 0; j < S; ++j)
+          for (index_t f = 0; f < F; ++f)
+            grad_g[(k * S + j) * F + f] =
+                grad_g[(k * S + j) * F + f] * Lanes<L>::kept(a.mask_g[l].data() + ((k * S + j) * F + f) * L, scale);
+      }
+      // Softmax and LeakyReLU.
+      for (index_t i = 0; i < Tn; ++i) {
+        V total = zero;
+        for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) total += grad_alpha[k * E + e] * alpha[k * E + e];
+        V st = zero;
+        for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
+          const V al = alpha[k * E + e];
+          const V de = grad_alpha[k * E + e] * al - al * total;
+          const V dz = z[k * E + e] > zero ? de : de * slope;
+          st += dz;
+          grad_s_source[k * S + b.source[e]] += dz;
+        }
+        grad_s_target[k * Tn + i] = st;
+      }
+      // The two half-scores: ∂L/∂a, ∂L/∂b, and their share of ∂L/∂g.
+      const V* at = P(l, 1) + k * F;
+      const V* as = P(l, 2) + k * F;
+      V* dat = G(l, 1) + k * F;
+      V* das = G(l, 2) + k * F;
+      V bt = zero, bs = zero;
+      for (index_t f = 0; f < F; ++f) dat[f] = das[f] = zero;
+      for (index_t i = 0; i < Tn; ++i) {
+        const V dd = grad_s_target[k * Tn + i];
+        const index_t j = b.target_in_source[i];
+        bt += dd;
+        for (index_t f = 0; f < F; ++f) {
+          dat[f] += dd * g[(k * S + j) * F + f];
+          grad_g[(k * S + j) * F + f] += dd * at[f];
+        }
+      }
+      for (index_t j = 0; j < S; ++j) {
+        const V dd = grad_s_source[k * S + j];
+        bs += dd;
+        for (index_t f = 0; f < F; ++f) {
+          das[f] += dd * g[(k * S + j) * F + f];
+          grad_g[(k * S + j) * F + f] += dd * as[f];
+        }
+      }
+      G(l, 3)[k] = bt;
+      G(l, 4)[k] = bs;
+    }
+
+    // ∂L/∂W, and for layer 2 ∂L/∂h.
+    if (l == 0) {
+      first_layer_pass<true>(p, dropout ? a.mask_x.data() : nullptr, scale, grad_g.data());
+      return;
+    }
+    const V* W = P(1, 0);
+    V* dW = G(1, 0);
+    std::fill(dW, dW + H * F * fin, zero);
+    std::fill(grad_input, grad_input + S * fin, zero);
+    for (index_t k = 0; k < H; ++k) {
+      const V* hk = dropout ? a.input1.data() + k * S * fin : a.hidden.data();
+      for (index_t j = 0; j < S; ++j) {
+        const V* hj = hk + j * fin;
+        const V* dgj = grad_g.data() + (k * S + j) * F;
+        for (index_t f = 0; f < F; ++f) {
+          V* row = dW + (k * F + f) * fin;
+          for (index_t q = 0; q < fin; ++q) row[q] += hj[q] * dgj[f];
+        }
+        for (index_t q = 0; q < fin; ++q) {
+          V dh = zero;
+          for (index_t f = 0; f < F; ++f) dh += W[(k * F + f) * fin + q] * dgj[f];
+          if (dropout) dh = dh * Lanes<L>::kept(a.mask_input1.data() + ((k * S + j) * fin + q) * L, scale);
+          grad_input[j * fin + q] += dh;
+        }
+      }
+    }
+  }
+
+  float dropout_scale = 1.0f;
+
+  // Adam as adam_update, each lane at its own step.
+  void adam(double lr, double beta1, double beta2, double eps, double weight_decay_) {
+    const float weight_decay = static_cast<float>(weight_decay_);
+    const float weight = static_cast<float>(1.0 - beta1), b2 = static_cast<float>(beta2);
+    const float one_minus_beta2 = static_cast<float>(1.0 - beta2), e = static_cast<float>(eps);
+    alignas(64) float step_size[L], bias_correction2_sqrt[L];
+    for (int lane = 0; lane < L; ++lane) {
+      const double step = static_cast<double>(epoch[lane] + 1);
+      step_size[lane] = static_cast<float>(-(lr / (1.0 - std::pow(beta1, step))));
+      bias_correction2_sqrt[lane] = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step)));
+    }
+    float* p = reinterpret_cast<float*>(param.data());
+    float* m = reinterpret_cast<float*>(exp_avg.data());
+    float* v = reinterpret_cast<float*>(exp_avg_sq.data());
+    const float* gr = reinterpret_cast<const float*>(grad.data());
+    for (index_t n = 0; n < numel; ++n)
+      for (int lane = 0; lane < L; ++lane) {
+        const index_t i = n * L + lane;
+        const float g = std::fma(weight_decay, p[i], gr[i]);
+        m[i] = std::fma(weight, g - m[i], m[i]);
+        v[i] = v[i] * b2 + one_minus_beta2 * g * g;
+        const float denom = std::sqrt(v[i]) / bias_correction2_sqrt[lane] + e;
+        p[i] = p[i] + step_size[lane] * m[i] / denom;
+      }
+  }
+
+  // One training step and one validation pass of every lane (idle lanes compute on, and are ignored).
+  void epoch_step(const Dropout& d, double lr, double beta1, double beta2, double eps, double weight_decay) {
+    const Problem& p = *train_p;
+    const bool dropout = d.next != nullptr;
+    dropout_scale = d.scale;
+    forward(p, dropout, d, train_acts);
+    grad_logits.resize(p.block[1].targets * p.hidden[1]);
+    loss_and_accuracy(p, train_acts, loss_train, acc_train, grad_logits.data());
+    grad_hidden.resize(p.block[0].targets * p.heads[0] * p.hidden[0]);
+    layer_backward_any(p, 1, dropout, train_acts, grad_logits.data(), grad_hidden.data());
+    layer_backward_any(p, 0, dropout, train_acts, grad_hidden.data(), nullptr);
+    adam(lr, beta1, beta2, eps, weight_decay);
+    const Dropout none{nullptr, nullptr, 0, 0, 1.0f};
+    forward(*val_p, false, none, val_acts);
+    loss_and_accuracy(*val_p, val_acts, loss_val, acc_val, nullptr);
+  }
+};
+
+// What gat.fused.SeedLanes hands over: the two views, R replicas' initial parameters (read when a lane takes a
+// replica) and checkpoints (written at each save), their dropout streams, Adam, early stopping, and where the
+// results go.
+struct LaneRunSpec {
+  const Problem* train;
+  const Problem* val;
+  int64_t replicas;
+  void* const* init;        // 12 pointers to [R, ...] float32, the parameters' order
+  void* const* checkpoint;  // 12 pointers to [R, ...] float32, written when a replica saves
+  Dropout drop;
+  double lr, beta1, beta2, eps, weight_decay;
+  int64_t max_epochs, patience;
+  int64_t* epochs;          // [R]: epochs trained when patience ran out (or max_epochs)
+  int64_t* best_epoch;      // [R]: the checkpoint's epoch (0: none saved)
+  double* best_acc;         // [R]: the checkpoint's validation accuracy and loss
+  double* best_loss;
+};
+
+struct LaneRunBase {
+  virtual ~LaneRunBase() = default;
+  virtual int64_t tick(float*, double*, float*, double*, int64_t*) = 0;
+};
+
+template <int L>
+struct LaneRun : LaneRunBase {
+  LaneRunSpec spec;
+  std::vector<std::unique_ptr<LaneGroup<L>>> groups;
+  int64_t next_replica = 0;
+
+  LaneRun(const LaneRunSpec& s, int threads) : spec(s) {
+    const int64_t wanted = std::max<int64_t>(1, std::min<int64_t>(threads, (s.replicas + L - 1) / L));
+    for (int64_t i = 0; i < wanted; ++i) groups.emplace_back(new LaneGroup<L>(s.train, s.val));
+  }
+
+  // One epoch of every lane that holds a replica, after idle lanes took the next replicas. Writes each replica's
+  // metrics of this epoch, and its epoch number (0: it did not train in this call). Returns how many replicas
+  // trained in it (0: all have stopped).
+  int64_t tick(float* train_loss, double* train_acc, float* val_loss, double* val_acc, int64_t* epoch_of) override {
+    std::fill(epoch_of, epoch_of + spec.replicas, int64_t(0));
+    std::vector<LaneGroup<L>*> busy;
+    for (auto& group : groups) {
+      for (int lane = 0; lane < L; ++lane)
+        if (group->replica[lane] < 0 && next_replica < spec.replicas) group->load(lane, next_replica++, spec.init);
+      bool any = false;
+      for (int lane = 0; lane < L; ++lane) any |= group->replica[lane] >= 0;
+      if (any) busy.push_back(group.get());
+    }
+    if (busy.empty()) return 0;
+    const LaneRunSpec& s = spec;
+    auto run = [&s](LaneGroup<L>* group) {
+      group->epoch_step(s.drop, s.lr, s.beta1, s.beta2, s.eps, s.weight_decay);
+    };
+    if (busy.size() == 1) {
+      run(busy[0]);
+    } else {
+      std::vector<std::thread> pool;
+      for (size_t i = 1; i < busy.size(); ++i) pool.emplace_back(run, busy[i]);
+      run(busy[0]);
+      for (auto& thread : pool) thread.join();
+    }
+    int64_t trained = 0;
+    for (LaneGroup<L>* group : busy)
+      for (int lane = 0; lane < L; ++lane) {
+        const int r = group->replica[lane];
+        if (r < 0) continue;
+        ++trained;
+        const int64_t epoch = ++group->epoch[lane];
+        train_loss[r] = group->loss_train[lane];
+        train_acc[r] = group->acc_train[lane];
+        val_loss[r] = group->loss_val[lane];
+        val_acc[r] = group->acc_val[lane];
+        epoch_of[r] = epoch;
+        // gat.training.EarlyStopping, for one replica.
+        const double acc = group->acc_val[lane], loss = group->loss_val[lane];
+        const bool better_acc = acc >= group->best_acc[lane], better_loss = loss <= group->best_loss[lane];
+        if (better_acc && better_loss) {
+          group->save(lane, s.checkpoint);
+          s.best_acc[r] = acc;
+          s.best_loss[r] = loss;
+          s.best_epoch[r] = epoch;
+        }
+        group->best_acc[lane] = std::max(group->best_acc[lane], acc);
+        group->best_loss[lane] = std::min(group->best_loss[lane], loss);
+        group->wait[lane] = better_acc || better_loss ? 0 : group->wait[lane] + 1;
+        if (group->wait[lane] >= s.patience || epoch >= s.max_epochs) {
+          s.epochs[r] = epoch;
+          group->replica[lane] = -1;
+        }
+      }
+    return trained;
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -1054,6 +1789,7 @@ int64_t gat_abi_sizes(int which) {
     case 0: return sizeof(Problem);
     case 1: return sizeof(Dropout);
     case 2: return sizeof(Adam);
+    case 3: return sizeof(LaneRunSpec);
     default: return -1;
   }
 }
@@ -1085,5 +1821,32 @@ int gat_evaluate_f64(const Problem* p, int64_t R, void* const* params, double* l
                      double* logits_out, int threads) {
   return evaluate<double>(p, R, params, loss, accuracy, logits_out, threads);
 }
+
+// Seeds as lanes: a run of `spec->replicas` replicas in groups of `lanes` (4, 8 or 16) lanes, one group per thread
+// (up to `threads`). Returns null on failure.
+void* gat_lanes_new(const LaneRunSpec* spec, int lanes, int threads) {
+  try {
+    switch (lanes) {
+      case 4: return new LaneRun<4>(*spec, threads);
+      case 8: return new LaneRun<8>(*spec, threads);
+      case 16: return new LaneRun<16>(*spec, threads);
+      default: return nullptr;
+    }
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+}
+
+// One epoch of every replica in a lane (see LaneRun::tick); -1 on failure.
+int64_t gat_lanes_tick(void* run, float* train_loss, double* train_acc, float* val_loss, double* val_acc,
+                       int64_t* epoch_of) {
+  try {
+    return static_cast<LaneRunBase*>(run)->tick(train_loss, train_acc, val_loss, val_acc, epoch_of);
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+void gat_lanes_free(void* run) { delete static_cast<LaneRunBase*>(run); }
 
 }  // extern "C"

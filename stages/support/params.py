@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from gat.config import Params
+from gat.fused import requested_lanes
 from stages.support.redaction import redact_urls
 
 
@@ -90,7 +91,16 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         fail(f"{path} is not valid YAML: {' '.join(str(error).split())}")
     params = Params.from_dict(raw or {})
     check_tracking_uri()  # the other setting every stage reads, checked as early
+    check_lanes_variable()
     return params
+
+
+def check_lanes_variable() -> None:
+    """$GAT_FUSED_LANES, which training reads, checked before any work."""
+    try:
+        requested_lanes()
+    except ValueError as error:
+        fail(str(error))
 
 
 # The URI schemes MLflow's tracking and registry stores both read (`postgresql+psycopg2` counts as postgresql);
