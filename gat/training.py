@@ -282,16 +282,16 @@ def train(graph: GraphTensors, config: ModelConfig, optim: OptimConfig, seeds: S
     device = graph.labels.device
     model = GAT(config, graph.x.num_features, graph.num_classes, seeds).to(device)
     noise = ReplicaDropout(seeds, config.dropout) if config.dropout > 0 else None
+    train_view, val_view = (NodeView.of(graph, nodes, model.n_layers) for nodes in (graph.train_idx, graph.val_idx))
+    lanes = fused.requested_lanes() if optim.kernel == "fused" else None
+    if lanes is not None and fused_unavailable(config, graph.num_classes, device) is None:
+        return _train_in_lanes(model, optim, seeds, noise, train_view, val_view, lanes, on_epoch)
+
+    kernel, kernel_used = select_training_kernel(model, optim, train_view, val_view)
     checkpoint = {name: p.detach().clone() for name, p in model.named_parameters()}
     stopping = EarlyStopping(len(seeds), optim.patience)
     epochs = torch.full((len(seeds),), optim.max_epochs, dtype=torch.long)
     active = np.arange(len(seeds))  # the replicas still training, by their index in `seeds`
-
-    train_view, val_view = (NodeView.of(graph, nodes, model.n_layers) for nodes in (graph.train_idx, graph.val_idx))
-    kernel, kernel_used = select_training_kernel(model, optim, train_view, val_view)
-    lanes = fused.requested_lanes() if isinstance(kernel, fused.FusedTrainer) else None
-    if lanes is not None:
-        return _train_in_lanes(model, optim, seeds, noise, train_view, val_view, lanes, on_epoch)
     for epoch in range(1, optim.max_epochs + 1):
         train_loss, train_acc = kernel.step(noise)
 

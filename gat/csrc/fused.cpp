@@ -1503,12 +1503,12 @@ struct LaneGroup {
 
   // Layer l's backward pass of every lane (per-replica: layer_backward and score_grads).
   template <int FC>
-  void layer_backward(const Problem& p, int l, bool dropout, const Activations& a, const V* grad_output,
-                      V* grad_input) {
+  void layer_backward(const Problem& p, int l, bool dropout, const Dropout& d, const Activations& a,
+                      const V* grad_output, V* grad_input) {
     const Block& b = p.block[l];
     const index_t H = p.heads[l], F = FC > 0 ? FC : p.hidden[l], S = b.sources, Tn = b.targets, E = b.edges;
     const index_t fin = l == 0 ? p.f_in : p.heads[0] * p.hidden[0];
-    const V scale = Lanes<L>::splat(static_cast<float>(dropout_scale)), zero = {};
+    const V scale = Lanes<L>::splat(d.scale), zero = {};
     const V slope = Lanes<L>::splat(static_cast<float>(p.negative_slope));
     const std::vector<V>& pre = a.pre[l];
     const std::vector<V>& alpha = a.alpha[l];
@@ -1640,8 +1640,6 @@ struct LaneGroup {
     }
   }
 
-  float dropout_scale = 1.0f;
-
   // Adam as adam_update, each lane at its own step.
   void adam(double lr, double beta1, double beta2, double eps, double weight_decay_) {
     const float weight_decay = static_cast<float>(weight_decay_);
@@ -1672,13 +1670,12 @@ struct LaneGroup {
   void epoch_step(const Dropout& d, double lr, double beta1, double beta2, double eps, double weight_decay) {
     const Problem& p = *train_p;
     const bool dropout = d.next != nullptr;
-    dropout_scale = d.scale;
     forward(p, dropout, d, train_acts);
     grad_logits.resize(p.block[1].targets * p.hidden[1]);
     loss_and_accuracy(p, train_acts, loss_train, acc_train, grad_logits.data());
     grad_hidden.resize(p.block[0].targets * p.heads[0] * p.hidden[0]);
-    layer_backward_any(p, 1, dropout, train_acts, grad_logits.data(), grad_hidden.data());
-    layer_backward_any(p, 0, dropout, train_acts, grad_hidden.data(), nullptr);
+    layer_backward_any(p, 1, dropout, d, train_acts, grad_logits.data(), grad_hidden.data());
+    layer_backward_any(p, 0, dropout, d, train_acts, grad_hidden.data(), nullptr);
     adam(lr, beta1, beta2, eps, weight_decay);
     const Dropout none{nullptr, nullptr, 0, 0, 1.0f};
     forward(*val_p, false, none, val_acts);
