@@ -459,30 +459,35 @@ class FusedTrainer:
         self._pointers = self._streams_of = None  # new tensors, fewer streams
 
 
-LANE_WIDTHS = (4, 8, 16)  # the builds of fused.cpp's LaneRun
+LANE_WIDTHS = (1, 4, 8, 16)  # fused.cpp's native runs: 1 is the per-seed kernel (SeedRun), the others LaneRun<L>
+PYTHON_LOOP = 0  # the epoch loop in Python around FusedTrainer (before the native loop; kept for comparisons)
+DEFAULT_LANES = 1  # `make bench` measured the per-seed kernel in the native loop the fastest on Cora
 LANES_VARIABLE = "GAT_FUSED_LANES"
 
 
 def requested_lanes() -> int | None:
-    """The lane width $GAT_FUSED_LANES asks `kernel: fused` to train with (SeedLanes), or None: the per-seed loop
-    (FusedTrainer), which `make bench` measured faster on Cora. Both give every seed the same bytes."""
+    """The lane width $GAT_FUSED_LANES asks `kernel: fused` to train with in the native loop (SeedLanes): unset,
+    DEFAULT_LANES; 0 (PYTHON_LOOP) gives None, the epoch loop in Python (FusedTrainer). All give every seed the
+    same bytes."""
     chosen = os.environ.get(LANES_VARIABLE, "").strip()
     if not chosen:
-        return None
-    if not chosen.isdigit() or int(chosen) not in LANE_WIDTHS:
+        return DEFAULT_LANES
+    if not chosen.isdigit() or int(chosen) not in (PYTHON_LOOP, *LANE_WIDTHS):
         raise ValueError(f"{LANES_VARIABLE}={chosen!r} is not a lane width: use one of "
-                         f"{', '.join(map(str, LANE_WIDTHS))}, or unset it")
-    return int(chosen)
+                         f"{', '.join(map(str, (PYTHON_LOOP, *LANE_WIDTHS)))}, or unset it")
+    return None if int(chosen) == PYTHON_LOOP else int(chosen)
 
 
 class SeedLanes:
-    """A batch of seeds trained to the end in the native loop, seeds as the lanes of each vector.
+    """A batch of seeds trained to the end in the native loop, seeds as the lanes of each vector (or, with `lanes`
+    1, one seed at a time in the per-seed kernel).
 
     One call of tick() runs one epoch of every seed in a lane: the training step under dropout, Adam, the
     validation pass and the authors' early stopping (gat.training.EarlyStopping), saving a seed's checkpoint
     into `checkpoint` when both its validation figures improve. A lane whose seed stopped takes the batch's next
     seed, so up to `lanes` seeds train side by side however many the batch has; groups of lanes run on up to
-    `threads` threads. Each lane computes what FusedTrainer computes for its seed, operation by operation: a seed's
+    `threads` threads. With `lanes` 1 every seed of the batch trains from the first call, the seeds shared among the
+    threads. Each lane computes what FusedTrainer computes for its seed, operation by operation: a seed's
     result does not depend on the batch, its lane, the lane width or the thread count.
 
     Shapes: checkpoint: the model's parameters [R, ...]; epochs, best_epoch: [R] int64; best_acc, best_loss:

@@ -18,11 +18,13 @@
 // agree to float32 rounding; sums over neighbourhoods and features run in a fixed sequential order.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <stdexcept>
 #include <type_traits>
 #include <thread>
 #include <vector>
@@ -133,6 +135,27 @@ void draw_mask(const Dropout& d, void* state, index_t count, T* mask, std::vecto
   for (index_t i : ties) mask[i] = (d.next(state) & 0xFFFFFFu) >= d.threshold_rest ? scale : T(0);
 }
 
+// The keep decisions of ReplicaDropout.keep for `count` elements, one byte each (0xFF kept, 0x00 dropped), from
+// the same draws as draw_mask. `out` holds count rounded up to 8 bytes.
+inline void draw_kept_bytes(const Dropout& d, void* state, index_t count, uint8_t* out, std::vector<index_t>& ties) {
+  ties.clear();
+  constexpr uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
+  const uint64_t pattern = ones * d.threshold_top;
+  const index_t words = (count + 7) / 8;
+  for (index_t w = 0; w < words; ++w) {
+    const uint64_t word = d.next(state);
+    std::memcpy(out + 8 * w, &word, 8);  // little-endian: byte b is (word >> 8b) & 0xFF
+    const uint64_t x = word ^ pattern;
+    if ((x - ones) & ~x & highs) {
+      for (index_t n = 8 * w; n < std::min(8 * w + 8, count); ++n)
+        if (out[n] == d.threshold_top) ties.push_back(n);
+    }
+  }
+  const uint8_t top = d.threshold_top;
+  for (index_t n = 0; n < count; ++n) out[n] = out[n] > top ? 0xFF : 0x00;
+  for (index_t n : ties) out[n] = (d.next(state) & 0xFFFFFFu) >= d.threshold_rest ? 0xFF : 0x00;
+}
+
 template <typename T>
 struct LayerParams {
   const T *W, *a_target, *a_source, *b_target, *b_source, *bias;
@@ -146,8 +169,11 @@ struct LayerGrads {
 // What a layer's backward pass needs of its forward pass.
 template <typename T>
 struct LayerCache {
-  std::vector<T> input;      // layer 1: the masked feature values [H, nnz] ([nnz, H] in the paper's first layer,
-                             // fast_first_layer); layer 2: the masked input [H, S, F_in]
+  std::vector<T> input;      // layer 1: the masked feature values [H, nnz]; layer 2: the masked input [H, S, F_in]
+  // The paper's first layer (fast_first_layer) under dropout: for each stored feature one byte, whose bit k says
+  // whether head k keeps it [nnz], and for each such byte the 8 heads' multipliers, 0 or the dropout scale [256, 8].
+  std::vector<uint8_t> heads_kept;
+  std::vector<T> multipliers;
   std::vector<T> input_mask; // layer 2 only: [H, S, F_in]
   const T* shared_input = nullptr;  // layer 2 without dropout: the input [S, F_in], for every head
 
@@ -169,7 +195,8 @@ struct Workspace {
   std::vector<T> hidden;     // layer 1's output, layer 2's input [T1, H1·F1]
   std::vector<T> logits;     // [T2, C]
   std::vector<T> grad_logits, grad_hidden, grad_out, grad_g, s_target, s_source, grad_s_target, grad_s_source,
-      grad_alpha, e, grads, mask, weights_t, weights_t2, grad_weights_t, grad_g_by_source, z8, alpha8;
+      grad_alpha, e, grads, weights_t, weights_t2, grad_weights_t, grad_g_by_source, z8, alpha8;
+  std::vector<uint8_t> kept;  // keep decisions in a stream's order, one byte each
   std::vector<index_t> ties;
 };
 
@@ -374,22 +401,32 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
     const T* x = static_cast<const T*>(p.x_val);
     const index_t nnz = p.nnz;
     transpose_heads(w.W, H, fin, F, ws.weights_t);
-    if (dropout) {
-      // One draw for all heads, in the stream's order [H, nnz]; kept entry-major [nnz, H], so that an entry's
-      // eight masked values are one vector, for the product below and for ∂L/∂W, which visits entries by column.
-      ws.mask.resize(H * nnz);
-      draw_mask(drop, state, H * nnz, ws.mask.data(), ws.ties);
-      c.input.resize(nnz * 8);
-      for (index_t e = 0; e < nnz; ++e)
-        for (int k = 0; k < 8; ++k) c.input[e * 8 + k] = x[e] * ws.mask[k * nnz + e];
-    }
     using V = Vec8<T>;
+    if (dropout) {
+      // One draw for all heads, in the stream's order [H, nnz], folded into a byte per stored feature (bit k: head k
+      // keeps it): an entry's masked values in the 8 heads are x_e times the multipliers of its byte, one vector, for
+      // the product below and for ∂L/∂W. 30 KB of bytes where the masks and masked values as floats took 2 MB: the
+      // rows of W that the product gathers stay in a core's L2 cache.
+      ws.kept.resize((H * nnz + 7) / 8 * 8);
+      draw_kept_bytes(drop, state, H * nnz, ws.kept.data(), ws.ties);
+      c.heads_kept.resize(nnz);
+      uint8_t* __restrict folded = c.heads_kept.data();  // bytes alias anything: plain pointers let the loop vectorise
+      const uint8_t* __restrict drawn = ws.kept.data();
+      for (index_t e = 0; e < nnz; ++e) {
+        uint8_t bits = 0;
+        for (int k = 0; k < 8; ++k) bits |= drawn[k * nnz + e] & (1u << k);
+        folded[e] = bits;
+      }
+      c.multipliers.resize(256 * 8);
+      for (int bits = 0; bits < 256; ++bits)
+        for (int k = 0; k < 8; ++k) c.multipliers[bits * 8 + k] = (bits >> k) & 1 ? static_cast<T>(drop.scale) : T(0);
+    }
     for (index_t j = 0; j < S; ++j) {
       V acc[8] = {};  // head k's 8 features: lane by lane, the same products and sums as scalar code
       for (index_t e = p.x_crow[j]; e < p.x_crow[j + 1]; ++e) {
         const T* row = ws.weights_t.data() + p.x_col[e] * 64;
         if (dropout) {
-          const V v = load8(c.input.data() + e * 8);
+          const V v = x[e] * load8(c.multipliers.data() + c.heads_kept[e] * 8);  // x_e · mask_k, as ReplicaDropout
           for (int k = 0; k < 8; ++k) acc[k] += v[k] * load8(row + k * 8);
         } else {
           for (int k = 0; k < 8; ++k) acc[k] += x[e] * load8(row + k * 8);
@@ -842,7 +879,7 @@ void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace
       const T* dgj = dg + p.x_row[t] * 64;
       const index_t e = p.x_pos[t];
       if (dropout) {
-        const V v = load8(c.input.data() + e * 8);  // the entry's masked value in each head
+        const V v = x[e] * load8(c.multipliers.data() + c.heads_kept[e] * 8);  // the entry's masked value in each head
         for (int k = 0; k < 8; ++k) acc[k] += v[k] * load8(dgj + k * 8);
       } else {
         for (int k = 0; k < 8; ++k) acc[k] += x[e] * load8(dgj + k * 8);
@@ -1111,27 +1148,6 @@ struct Lanes {
   static V sum8(const V* p) { return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7])); }
 };
 
-// The keep decisions of ReplicaDropout.keep for `count` elements, one byte each (0xFF kept, 0x00 dropped), from
-// the same draws as draw_mask. `out` holds count rounded up to 8 bytes.
-inline void draw_kept_bytes(const Dropout& d, void* state, index_t count, uint8_t* out, std::vector<index_t>& ties) {
-  ties.clear();
-  constexpr uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
-  const uint64_t pattern = ones * d.threshold_top;
-  const index_t words = (count + 7) / 8;
-  for (index_t w = 0; w < words; ++w) {
-    const uint64_t word = d.next(state);
-    std::memcpy(out + 8 * w, &word, 8);  // little-endian: byte b is (word >> 8b) & 0xFF
-    const uint64_t x = word ^ pattern;
-    if ((x - ones) & ~x & highs) {
-      for (index_t n = 8 * w; n < std::min(8 * w + 8, count); ++n)
-        if (out[n] == d.threshold_top) ties.push_back(n);
-    }
-  }
-  const uint8_t top = d.threshold_top;
-  for (index_t n = 0; n < count; ++n) out[n] = out[n] > top ? 0xFF : 0x00;
-  for (index_t n : ties) out[n] = (d.next(state) & 0xFFFFFFu) >= d.threshold_rest ? 0xFF : 0x00;
-}
-
 // Per-replica layout (gat.layers, torch) <-> lane layout: the position in the group of element `t` of parameter
 // `which` of layer `l`.
 inline index_t lane_position(const Problem& p, int l, int which, index_t t) {
@@ -1140,6 +1156,22 @@ inline index_t lane_position(const Problem& p, int l, int which, index_t t) {
   const index_t k = t / (fin * F), q = (t / F) % fin, f = t % F;  // torch: W [H, F_in, F']
   return (k * F + f) * fin + q;
 }
+
+// gat.training.EarlyStopping for one seed: its best validation figures so far and the epochs since one improved.
+struct SeedStopping {
+  int64_t epoch = 0;  // epochs trained
+  int64_t wait = 0;
+  double best_acc = 0.0, best_loss = INFINITY;
+};
+
+// Where a tick writes each replica's figures of the epoch it just trained (gat_lanes_tick's arguments).
+struct EpochOutputs {
+  float* train_loss;
+  double* train_acc;
+  float* val_loss;
+  double* val_acc;
+  int64_t* epoch_of;  // the epoch each replica trained in this call, 0 for those that did not
+};
 
 template <int L>
 struct LaneGroup {
@@ -1160,9 +1192,7 @@ struct LaneGroup {
   index_t offsets[2][kParams];
   std::vector<V> param, exp_avg, exp_avg_sq, grad;
   int replica[L];       // the replica in each lane, or -1
-  int64_t epoch[L];     // epochs the lane's replica has trained
-  int64_t wait[L];
-  double best_acc[L], best_loss[L];
+  SeedStopping stopping[L];  // of the lane's replica (idle lanes: at epoch 0, for Adam's step)
   Activations train_acts, val_acts;
   // The backward pass.
   std::vector<V> grad_logits, grad_hidden, grad_out, grad_g, grad_alpha, grad_s_target, grad_s_source, slope_of;
@@ -1183,11 +1213,8 @@ struct LaneGroup {
     exp_avg.assign(numel, V{});
     exp_avg_sq.assign(numel, V{});
     grad.assign(numel, V{});
-    for (int lane = 0; lane < L; ++lane) {  // idle lanes: zeros, at epoch 0, compute finite numbers no one reads
-      replica[lane] = -1;
-      epoch[lane] = wait[lane] = 0;
-      best_acc[lane] = best_loss[lane] = 0.0;
-    }
+    for (int lane = 0; lane < L; ++lane) replica[lane] = -1;  // idle lanes: zeros, at epoch 0, compute finite
+                                                                // numbers no one reads
   }
 
   V* P(int l, int which) { return param.data() + offsets[l][which]; }
@@ -1209,10 +1236,7 @@ struct LaneGroup {
         }
       }
     replica[lane] = r;
-    epoch[lane] = 0;
-    wait[lane] = 0;
-    best_acc[lane] = 0.0;
-    best_loss[lane] = INFINITY;
+    stopping[lane] = SeedStopping{};
   }
 
   void save(int lane, void* const* checkpoint) {
@@ -1241,11 +1265,13 @@ struct LaneGroup {
       }
     }
     constexpr index_t block = 64;
+    uint8_t* __restrict interleaved = out.data();  // bytes alias anything: plain pointers, or every store reloads them
+    const uint8_t* __restrict drawn = lane_bytes.data();
     for (index_t n0 = 0; n0 < count; n0 += block) {
       const index_t n1 = std::min(count, n0 + block);
       for (int lane = 0; lane < L; ++lane) {
-        const uint8_t* mine = lane_bytes.data() + lane * row;
-        for (index_t n = n0; n < n1; ++n) out[n * L + lane] = mine[n];
+        const uint8_t* mine = drawn + lane * row;
+        for (index_t n = n0; n < n1; ++n) interleaved[n * L + lane] = mine[n];
       }
     }
   }
@@ -1647,7 +1673,7 @@ struct LaneGroup {
     const float one_minus_beta2 = static_cast<float>(1.0 - beta2), e = static_cast<float>(eps);
     alignas(64) float step_size[L], bias_correction2_sqrt[L];
     for (int lane = 0; lane < L; ++lane) {
-      const double step = static_cast<double>(epoch[lane] + 1);
+      const double step = static_cast<double>(stopping[lane].epoch + 1);
       step_size[lane] = static_cast<float>(-(lr / (1.0 - std::pow(beta1, step))));
       bias_correction2_sqrt[lane] = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step)));
     }
@@ -1701,6 +1727,35 @@ struct LaneRunSpec {
   double* best_loss;
 };
 
+// The end of replica r's epoch, in the lanes and in SeedRun alike: its figures written out, and
+// gat.training.EarlyStopping's rule applied: save() when both validation figures improve, a stop when neither has
+// for `patience` epochs or at max_epochs. Returns whether the replica stops.
+template <typename Save>
+bool end_of_epoch(const LaneRunSpec& s, const EpochOutputs& out, int r, SeedStopping& st, float train_loss,
+                  double train_acc, float val_loss, double val_acc, Save save) {
+  const int64_t epoch = ++st.epoch;
+  out.train_loss[r] = train_loss;
+  out.train_acc[r] = train_acc;
+  out.val_loss[r] = val_loss;
+  out.val_acc[r] = val_acc;
+  out.epoch_of[r] = epoch;
+  const bool better_acc = val_acc >= st.best_acc, better_loss = val_loss <= st.best_loss;
+  if (better_acc && better_loss) {
+    save();
+    s.best_acc[r] = val_acc;
+    s.best_loss[r] = val_loss;
+    s.best_epoch[r] = epoch;
+  }
+  st.best_acc = std::max(st.best_acc, val_acc);
+  st.best_loss = std::min(st.best_loss, static_cast<double>(val_loss));
+  st.wait = better_acc || better_loss ? 0 : st.wait + 1;
+  if (st.wait >= s.patience || epoch >= s.max_epochs) {
+    s.epochs[r] = epoch;
+    return true;
+  }
+  return false;
+}
+
 struct LaneRunBase {
   virtual ~LaneRunBase() = default;
   virtual int64_t tick(float*, double*, float*, double*, int64_t*) = 0;
@@ -1721,6 +1776,7 @@ struct LaneRun : LaneRunBase {
   // metrics of this epoch, and its epoch number (0: it did not train in this call). Returns how many replicas
   // trained in it (0: all have stopped).
   int64_t tick(float* train_loss, double* train_acc, float* val_loss, double* val_acc, int64_t* epoch_of) override {
+    const EpochOutputs out{train_loss, train_acc, val_loss, val_acc, epoch_of};
     std::fill(epoch_of, epoch_of + spec.replicas, int64_t(0));
     std::vector<LaneGroup<L>*> busy;
     for (auto& group : groups) {
@@ -1749,29 +1805,94 @@ struct LaneRun : LaneRunBase {
         const int r = group->replica[lane];
         if (r < 0) continue;
         ++trained;
-        const int64_t epoch = ++group->epoch[lane];
-        train_loss[r] = group->loss_train[lane];
-        train_acc[r] = group->acc_train[lane];
-        val_loss[r] = group->loss_val[lane];
-        val_acc[r] = group->acc_val[lane];
-        epoch_of[r] = epoch;
-        // gat.training.EarlyStopping, for one replica.
-        const double acc = group->acc_val[lane], loss = group->loss_val[lane];
-        const bool better_acc = acc >= group->best_acc[lane], better_loss = loss <= group->best_loss[lane];
-        if (better_acc && better_loss) {
-          group->save(lane, s.checkpoint);
-          s.best_acc[r] = acc;
-          s.best_loss[r] = loss;
-          s.best_epoch[r] = epoch;
-        }
-        group->best_acc[lane] = std::max(group->best_acc[lane], acc);
-        group->best_loss[lane] = std::min(group->best_loss[lane], loss);
-        group->wait[lane] = better_acc || better_loss ? 0 : group->wait[lane] + 1;
-        if (group->wait[lane] >= s.patience || epoch >= s.max_epochs) {
-          s.epochs[r] = epoch;
+        if (end_of_epoch(s, out, r, group->stopping[lane], group->loss_train[lane], group->acc_train[lane],
+                         group->loss_val[lane], group->acc_val[lane], [&] { group->save(lane, s.checkpoint); }))
           group->replica[lane] = -1;
-        }
       }
+    return trained;
+  }
+};
+
+// The per-seed kernel (train_replica, the 8 heads as the 8 lanes) in the same native loop: every replica of the batch
+// trains from the first call, one epoch per call, each on one thread with its own workspace, and leaves the loop when
+// it stops. Parameters and Adam moments keep torch's layout [R, ...], so a replica computes here exactly what
+// gat.fused.FusedTrainer computes for it between Python's calls.
+struct SeedRun : LaneRunBase {
+  LaneRunSpec spec;
+  std::vector<std::vector<float>> param, exp_avg, exp_avg_sq;  // kParams per layer, each [R, ...]
+  std::vector<void*> param_of, exp_avg_of, exp_avg_sq_of;
+  std::vector<SeedStopping> stopping;  // [R]
+  std::vector<int> active;             // the replicas still training, ascending
+  std::vector<float> loss_train, loss_val;
+  std::vector<double> acc_train, acc_val;
+  std::vector<std::unique_ptr<Workspace<float>>> workspaces;  // one per thread, kept between calls
+
+  SeedRun(const LaneRunSpec& s, int threads)
+      : spec(s), stopping(s.replicas), loss_train(s.replicas), loss_val(s.replicas), acc_train(s.replicas),
+        acc_val(s.replicas) {
+    for (int l = 0; l < 2; ++l)
+      for (int i = 0; i < kParams; ++i) {
+        const index_t n = param_numel(*s.train, l, i) * s.replicas;
+        const float* init = static_cast<const float*>(s.init[l * kParams + i]);
+        param.emplace_back(init, init + n);
+        exp_avg.emplace_back(n, 0.0f);
+        exp_avg_sq.emplace_back(n, 0.0f);
+      }
+    for (int w = 0; w < 2 * kParams; ++w) {
+      param_of.push_back(param[w].data());
+      exp_avg_of.push_back(exp_avg[w].data());
+      exp_avg_sq_of.push_back(exp_avg_sq[w].data());
+    }
+    for (int r = 0; r < s.replicas; ++r) active.push_back(r);
+    const int64_t used = std::max<int64_t>(1, std::min<int64_t>(threads, s.replicas));
+    for (int64_t t = 0; t < used; ++t) workspaces.emplace_back(new Workspace<float>());
+  }
+
+  // Replica r's epoch: the training step under dropout with Adam at its own step number, then the validation pass.
+  void epoch_of_replica(int r, Workspace<float>& ws) {
+    const Adam adam{spec.lr, spec.beta1, spec.beta2, spec.eps, spec.weight_decay,
+                    static_cast<double>(stopping[r].epoch + 1)};
+    train_replica<float>(*spec.train, r, param_of.data(), exp_avg_of.data(), exp_avg_sq_of.data(), &adam, spec.drop,
+                         loss_train.data(), acc_train.data(), nullptr, nullptr, ws);
+    const Dropout none{nullptr, nullptr, 0, 0, 1.0f};
+    forward<float>(*spec.val, param_of.data(), r, false, none, nullptr, ws);
+    loss_and_accuracy<float>(*spec.val, ws.logits.data(), loss_val.data() + r, acc_val.data() + r, nullptr);
+  }
+
+  void save(int r) {
+    for (int w = 0; w < 2 * kParams; ++w) {
+      const index_t n = param_numel(*spec.train, w / kParams, w % kParams);
+      std::copy(param[w].begin() + r * n, param[w].begin() + (r + 1) * n, static_cast<float*>(spec.checkpoint[w]) + r * n);
+    }
+  }
+
+  int64_t tick(float* train_loss, double* train_acc, float* val_loss, double* val_acc, int64_t* epoch_of) override {
+    const EpochOutputs out{train_loss, train_acc, val_loss, val_acc, epoch_of};
+    std::fill(epoch_of, epoch_of + spec.replicas, int64_t(0));
+    if (active.empty()) return 0;
+    // The threads take the active replicas in turn; which thread trains a replica changes nothing in its bytes.
+    std::atomic<size_t> next{0};
+    std::atomic<bool> failed{false};
+    auto run = [&](Workspace<float>* ws) {
+      try {
+        for (size_t n = next++; n < active.size(); n = next++) epoch_of_replica(active[n], *ws);
+      } catch (const std::exception&) {
+        failed = true;
+      }
+    };
+    const size_t threads = std::min(workspaces.size(), active.size());
+    std::vector<std::thread> pool;
+    for (size_t t = 1; t < threads; ++t) pool.emplace_back(run, workspaces[t].get());
+    run(workspaces[0].get());
+    for (auto& thread : pool) thread.join();
+    if (failed) throw std::runtime_error("a replica's epoch failed");
+    const int64_t trained = static_cast<int64_t>(active.size());
+    std::vector<int> going_on;
+    for (int r : active)
+      if (!end_of_epoch(spec, out, r, stopping[r], loss_train[r], acc_train[r], loss_val[r], acc_val[r],
+                        [&] { save(r); }))
+        going_on.push_back(r);
+    active.swap(going_on);
     return trained;
   }
 };
@@ -1819,11 +1940,13 @@ int gat_evaluate_f64(const Problem* p, int64_t R, void* const* params, double* l
   return evaluate<double>(p, R, params, loss, accuracy, logits_out, threads);
 }
 
-// Seeds as lanes: a run of `spec->replicas` replicas in groups of `lanes` (4, 8 or 16) lanes, one group per thread
-// (up to `threads`). Returns null on failure.
+// A native run of `spec->replicas` replicas: seeds as lanes in groups of `lanes` (4, 8 or 16) lanes, one group per
+// thread (up to `threads`), or with `lanes` 1 the per-seed kernel, replicas shared among the threads (SeedRun).
+// Returns null on failure.
 void* gat_lanes_new(const LaneRunSpec* spec, int lanes, int threads) {
   try {
     switch (lanes) {
+      case 1: return new SeedRun(*spec, threads);
       case 4: return new LaneRun<4>(*spec, threads);
       case 8: return new LaneRun<8>(*spec, threads);
       case 16: return new LaneRun<16>(*spec, threads);
