@@ -527,3 +527,39 @@ def test_the_native_per_seed_loop_is_the_default(monkeypatch) -> None:
     assert fused.requested_lanes() is None
     monkeypatch.setenv(fused.LANES_VARIABLE, "16")
     assert fused.requested_lanes() == 16
+
+
+# benchmarks.kernel_ab: this checkout's kernel against an earlier commit's ----------------------------------------
+
+def test_the_kernel_comparison_times_both_libraries_in_turn(cora_graph: Graph) -> None:
+    from benchmarks import kernel_ab
+
+    lib = fused.library()
+    samples = kernel_ab.time_kernels(cora_graph, {"new": lib, "old": lib}, seeds=2, rounds=3, block=1)
+    assert set(samples) == {"new", "old"}
+    for values in samples.values():
+        assert len(values["step"]) == len(values["validation"]) == 3
+        assert min(values["step"] + values["validation"]) > 0
+
+
+def test_a_revision_without_the_kernel_is_one_line(capsys) -> None:
+    from benchmarks import kernel_ab
+
+    with pytest.raises(SystemExit) as stop:
+        kernel_ab.main(["--against", "no-such-revision"])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error == ("error: git has no gat/csrc/fused.cpp at 'no-such-revision': pass a commit of this repository "
+                     "(e.g. `--against HEAD~1`)")
+
+
+@pytest.mark.slow
+def test_an_earlier_commits_kernel_builds_and_computes_the_same_bytes(tmp_path: Path, monkeypatch) -> None:
+    """HEAD's fused.cpp, built aside by kernel_ab, gives the fingerprint of the per-seed kernel that `make` built
+    (the widths of the lanes before the native per-seed loop: a commit's kernel may predate width 1)."""
+    from benchmarks import kernel_ab
+    from gat import fused_check
+
+    older = fused.load(kernel_ab.build_revision("HEAD", tmp_path))
+    monkeypatch.setattr(fused, "LANE_WIDTHS", (4, 8, 16))
+    assert fused_check.fingerprint(older) == fused_check.fingerprint(fused.library())

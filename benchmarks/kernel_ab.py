@@ -1,0 +1,113 @@
+"""This checkout's fused kernel against an earlier commit's, in one process, taking turns.
+
+    python -m benchmarks.kernel_ab --against dbe43d7
+
+These shared machines run 1.3 to 1.7 times faster on some days than on others, so a kernel is compared with an
+older one in the same run: the older commit's gat/csrc/fused.cpp (`git show`) is compiled with this checkout's flags
+into a temporary folder, both libraries are loaded, and each times Cora's training step and validation pass of
+`--seeds` seeds on one thread (gat.fused.FusedTrainer: the per-seed kernel, one call per step), in alternating
+blocks of `--block` calls. Prints, per seed, the median and range over the blocks and the ratio of this checkout's
+median to the older one's. Nothing is written in the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from benchmarks.data import default_data_dir, load_graph, protocol
+from gat import fused
+from gat.data import Graph
+from gat.dropout import ReplicaDropout
+from gat.model import GAT
+from gat.training import GraphTensors, NodeView
+from stages.support.params import StageError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_revision(revision: str, folder: Path) -> Path:
+    """`revision`'s gat/csrc/fused.cpp built with this checkout's compiler and flags into `folder`."""
+    compiler = fused.compiler()
+    if compiler is None:
+        raise StageError("no C++ compiler on PATH: install g++ (`make system-deps`) or set $CXX")
+    shown = subprocess.run(["git", "show", f"{revision}:gat/csrc/fused.cpp"], cwd=REPO_ROOT, capture_output=True)
+    if shown.returncode != 0:
+        raise StageError(f"git has no gat/csrc/fused.cpp at {revision!r}: pass a commit of this repository "
+                         "(e.g. `--against HEAD~1`)")
+    source, library = folder / "fused.cpp", folder / "fused.so"
+    source.write_bytes(shown.stdout)
+    built = subprocess.run([compiler, *fused.cxxflags(), str(source), "-o", str(library)], capture_output=True,
+                           text=True)
+    if built.returncode != 0:
+        raise StageError(f"{revision}'s fused.cpp does not compile here: {built.stderr.strip().splitlines()[-1]}")
+    return library
+
+
+def time_kernels(cora: Graph, libraries: dict[str, Any], seeds: int, rounds: int,
+                 block: int) -> dict[str, dict[str, list[float]]]:
+    """Milliseconds per seed of a training step and of a validation pass, one sample per block, for each library."""
+    graph = GraphTensors.from_graph(cora)
+    paper = protocol()
+    train_view, val_view = (NodeView.of(graph, nodes, 2) for nodes in (graph.train_idx, graph.val_idx))
+    trainers = {}
+    for name, lib in libraries.items():
+        model = GAT(paper.model, graph.x.num_features, graph.num_classes, tuple(range(seeds)))
+        trainer = fused.FusedTrainer(model, paper.optim.lr, paper.optim.weight_decay, train_view, val_view, lib=lib)
+        trainers[name] = (trainer, ReplicaDropout(tuple(range(seeds)), paper.model.dropout))
+    for trainer, noise in trainers.values():  # warm: the workspaces allocated, the data in cache
+        for _ in range(block):
+            trainer.step(noise)
+            trainer.validate()
+    samples: dict[str, dict[str, list[float]]] = {name: {"step": [], "validation": []} for name in libraries}
+    for _ in range(rounds):
+        for name, (trainer, noise) in trainers.items():
+            start = time.perf_counter()
+            for _ in range(block):
+                trainer.step(noise)
+            middle = time.perf_counter()
+            for _ in range(block):
+                trainer.validate()
+            end = time.perf_counter()
+            samples[name]["step"].append((middle - start) / block / seeds * 1e3)
+            samples[name]["validation"].append((end - middle) / block / seeds * 1e3)
+    return samples
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", required=True, help="the commit whose fused.cpp to compare with")
+    parser.add_argument("--seeds", type=int, default=4, help="seeds per call (a reproduce batch's)")
+    parser.add_argument("--rounds", type=int, default=15, help="blocks per kernel, taking turns")
+    parser.add_argument("--block", type=int, default=20, help="calls per block")
+    args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        current = fused.library()
+        with tempfile.TemporaryDirectory(prefix="gat-kernel-ab-") as folder:
+            older = fused.load(build_revision(args.against, Path(folder)))
+            samples = time_kernels(load_graph(default_data_dir()), {"this checkout": current, args.against: older},
+                                   args.seeds, args.rounds, args.block)
+    except (StageError, fused.FusedUnavailable) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        torch.set_num_threads(threads)
+    for what in ("step", "validation"):
+        medians = {name: statistics.median(values[what]) for name, values in samples.items()}
+        for name, values in samples.items():
+            print(f"{what} ms per seed, {name}: {medians[name]:.3f} [{min(values[what]):.3f}-{max(values[what]):.3f}]")
+        print(f"{what}: this checkout / {args.against} = {medians['this checkout'] / medians[args.against]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
