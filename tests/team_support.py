@@ -131,9 +131,12 @@ def team_backend() -> Iterator[TeamBackend]:
         groups = [proc for pid in running(state).values() if pid for proc in _family(pid)]
         stopped = subprocess.run([str(VENV_BIN / "python"), "-m", "team", "down", "--state", str(root)], cwd=REPO,
                                  env=clean_env(), capture_output=True, text=True, timeout=120)
-        leftovers = [proc for proc in groups if _alive(proc)]
+        # The recorded servers, and any process still working in the state folder: a server whose record a failed
+        # start replaced, or that a failed `down` lost, is stopped too, by PID, before the checks below fail.
+        leftovers = list({proc.pid: proc for proc in [*groups, *_working_in(root)] if _alive(proc)}.values())
         for proc in leftovers:
             proc.kill()
+        psutil.wait_procs(leftovers, timeout=10)
         ports = backend.settings.ports.values() if backend else []
         still_listening = [port for port in ports if _listening(port)]
         shutil.rmtree(root, ignore_errors=True)
@@ -148,6 +151,16 @@ def _family(pid: int) -> list[psutil.Process]:
         return [process, *process.children(recursive=True)]
     except psutil.Error:
         return []
+
+
+def _working_in(root: Path) -> list[psutil.Process]:
+    """The processes whose working directory is `root` or inside it (the team's servers run there)."""
+    found = []
+    for process in psutil.process_iter(["cwd"]):
+        cwd = process.info["cwd"]  # None where it can't be read
+        if cwd and Path(cwd).is_relative_to(root):
+            found.append(process)
+    return found
 
 
 def _alive(process: psutil.Process) -> bool:
