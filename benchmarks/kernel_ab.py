@@ -1,6 +1,7 @@
 """This checkout's fused kernel against an earlier commit's, in one process, taking turns.
 
     python -m benchmarks.kernel_ab --against dbe43d7
+    python -m benchmarks.kernel_ab --against HEAD --extra-flags=-ffp-contract=fast
 
 These shared machines run 1.3 to 1.7 times faster on some days than on others, so a kernel is compared with an
 older one in the same run: the older commit's gat/csrc/fused.cpp (`git show`) is compiled with this checkout's flags
@@ -13,6 +14,7 @@ median to the older one's. Nothing is written in the repository.
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import subprocess
 import sys
@@ -34,8 +36,9 @@ from stages.support.params import StageError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def build_revision(revision: str, folder: Path) -> Path:
-    """`revision`'s gat/csrc/fused.cpp built with this checkout's compiler and flags into `folder`."""
+def build_revision(revision: str, folder: Path, extra_flags: Sequence[str] = ()) -> Path:
+    """`revision`'s gat/csrc/fused.cpp built into `folder` as `make` builds this checkout's, with `extra_flags`
+    after its flags."""
     compiler = fused.compiler()
     if compiler is None:
         raise StageError("no C++ compiler on PATH: install g++ (`make system-deps`) or set $CXX")
@@ -45,10 +48,12 @@ def build_revision(revision: str, folder: Path) -> Path:
                          "(e.g. `--against HEAD~1`)")
     source, library = folder / "fused.cpp", folder / "fused.so"
     source.write_bytes(shown.stdout)
-    built = subprocess.run([compiler, *fused.cxxflags(), str(source), "-o", str(library)], capture_output=True,
+    built = subprocess.run(fused.compile_command(compiler, source, library, extra_flags), capture_output=True,
                            text=True)
     if built.returncode != 0:
-        raise StageError(f"{revision}'s fused.cpp does not compile here: {built.stderr.strip().splitlines()[-1]}")
+        flags = f" with {' '.join(extra_flags)}" if extra_flags else ""
+        raise StageError(f"{revision}'s fused.cpp does not compile here{flags}: "
+                         f"{(built.stderr.strip().splitlines() or ['?'])[-1]}")
     return library
 
 
@@ -88,14 +93,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=4, help="seeds per call (a reproduce batch's)")
     parser.add_argument("--rounds", type=int, default=15, help="blocks per kernel, taking turns")
     parser.add_argument("--block", type=int, default=20, help="calls per block")
+    parser.add_argument("--extra-flags", default="",
+                        help="compiler flags added to the older build's, e.g. --against HEAD "
+                             "--extra-flags=-ffp-contract=fast: what contracting into FMAs would buy")
     args = parser.parse_args(argv)
+    extra_flags = tuple(shlex.split(args.extra_flags))
+    older_name = " ".join([args.against, *extra_flags])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         current = fused.library()
         with tempfile.TemporaryDirectory(prefix="gat-kernel-ab-") as folder:
-            older = fused.load(build_revision(args.against, Path(folder)))
-            samples = time_kernels(load_graph(default_data_dir()), {"this checkout": current, args.against: older},
+            older = fused.load(build_revision(args.against, Path(folder), extra_flags))
+            samples = time_kernels(load_graph(default_data_dir()), {"this checkout": current, older_name: older},
                                    args.seeds, args.rounds, args.block)
     except (StageError, fused.FusedUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -106,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         medians = {name: statistics.median(values[what]) for name, values in samples.items()}
         for name, values in samples.items():
             print(f"{what} ms per seed, {name}: {medians[name]:.3f} [{min(values[what]):.3f}-{max(values[what]):.3f}]")
-        print(f"{what}: this checkout / {args.against} = {medians['this checkout'] / medians[args.against]:.3f}")
+        print(f"{what}: this checkout / {older_name} = {medians['this checkout'] / medians[older_name]:.3f}")
 
 
 if __name__ == "__main__":

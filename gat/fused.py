@@ -57,6 +57,12 @@ def cxxflags() -> tuple[str, ...]:
     return (*chosen, *SEMANTIC_FLAGS)
 
 
+def compile_command(compiler: str, source: Path, output: Path | str, extra_flags: Sequence[str] = ()) -> list[str]:
+    """The command that builds `source` into the shared library `output`: cxxflags(), then `extra_flags` (the
+    compiler takes the last of two contradicting flags)."""
+    return [compiler, *cxxflags(), *extra_flags, str(source), "-o", str(output)]
+
+
 def cpu_facts() -> tuple[str, frozenset[str]] | None:
     """The CPU's model name and feature flags (what -march=native reads), from /proc/cpuinfo; None without it."""
     try:

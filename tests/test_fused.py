@@ -553,6 +553,18 @@ def test_a_revision_without_the_kernel_is_one_line(capsys) -> None:
                      "(e.g. `--against HEAD~1`)")
 
 
+def test_extra_flags_the_compiler_refuses_are_one_line(capsys) -> None:
+    from benchmarks import kernel_ab
+
+    with pytest.raises(SystemExit) as stop:
+        kernel_ab.main(["--against", "HEAD", "--extra-flags=-fno-such-flag"])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error
+    assert error.startswith("error: HEAD's fused.cpp does not compile here with -fno-such-flag: ")
+    assert "-fno-such-flag" in error.split(": ", 2)[2]  # the compiler's own words on it
+
+
 @pytest.mark.slow
 def test_an_earlier_commits_kernel_builds_and_computes_the_same_bytes(tmp_path: Path, monkeypatch) -> None:
     """HEAD's fused.cpp, built aside by kernel_ab, gives the fingerprint of the per-seed kernel that `make` built

@@ -58,7 +58,7 @@ def compile_and_check(compiler: str, path: Path, verbose: bool) -> Path:
     fd, partial = tempfile.mkstemp(prefix=path.stem, suffix=".so.partial", dir=path.parent)
     os.close(fd)
     try:
-        command = [compiler, *fused.cxxflags(), str(fused.SOURCE), "-o", partial]
+        command = fused.compile_command(compiler, fused.SOURCE, partial)
         if verbose:
             print(" ".join(command), file=sys.stderr)
         done = subprocess.run(command, capture_output=True, text=True)
