@@ -575,3 +575,31 @@ def test_an_earlier_commits_kernel_builds_and_computes_the_same_bytes(tmp_path: 
     older = fused.load(kernel_ab.build_revision("HEAD", tmp_path))
     monkeypatch.setattr(fused, "LANE_WIDTHS", (4, 8, 16))
     assert fused_check.fingerprint(older) == fused_check.fingerprint(fused.library())
+
+
+# benchmarks.kernel_phases: the kernel built with its phase timers -------------------------------------------------
+
+def test_the_phase_profile_refuses_no_epochs(capsys) -> None:
+    from benchmarks import kernel_phases
+
+    with pytest.raises(SystemExit) as stop:
+        kernel_phases.main(["--epochs", "0"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: --seeds and --epochs must be at least 1"
+
+
+@pytest.mark.slow
+def test_the_timed_build_times_every_phase_and_computes_the_same_bytes(tmp_path: Path, cora_graph: Graph,
+                                                                       monkeypatch) -> None:
+    """Every phase of the paper's model takes time, the phases together stay within the wall time, and the timers
+    change no result: the timed build gives the fingerprint of the one `make` built."""
+    from benchmarks import kernel_phases
+    from gat import fused_check
+
+    timed = kernel_phases.build_timed(tmp_path)
+    phases, wall = kernel_phases.phase_times(cora_graph, timed, seeds=2, epochs=3)
+    assert len(phases) == timed.gat_phase_count() == 18
+    assert all(ms > 0 for ms in phases.values()), phases
+    assert sum(phases.values()) < wall
+    monkeypatch.setattr(fused, "LANE_WIDTHS", (4, 8, 16))
+    assert fused_check.fingerprint(timed) == fused_check.fingerprint(fused.library())

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -76,6 +77,51 @@ struct Adam {
   double lr, beta1, beta2, eps, weight_decay;
   double step;          // the step number after this update (torch keeps it per parameter; all are equal)
 };
+
+// Where the time of the paper's model goes, phase by phase, when built with -DGAT_PHASE_TIMERS
+// (python -m benchmarks.kernel_phases): each phase's wall time, summed over every call and thread. Without the
+// define the timers compile to nothing.
+enum Phase : int {
+  kStepTranspose, kStepInputMasks, kStepXW, kStepScores, kStepDropout, kStepAggregate, kStepLayer2, kStepLoss,
+  kStepBackLayer2, kStepBackAggregate, kStepBackScores, kStepBackXW, kStepAdam,
+  kValTranspose, kValXW, kValScores, kValAggregate, kValLayer2, kPhases, kUntimed = -1
+};
+#ifdef GAT_PHASE_TIMERS
+constexpr const char* kPhaseNames[kPhases] = {
+    "step: layer 1, W transposed", "step: layer 1, input dropout masks", "step: layer 1, x·W",
+    "step: layer 1, attention scores and softmax", "step: layer 1, α and g dropout",
+    "step: layer 1, aggregation and ELU", "step: layer 2", "step: loss", "step: layer 2 backward",
+    "step: layer 1 backward, aggregation", "step: layer 1 backward, softmax and scores", "step: layer 1 backward, ∂L/∂W",
+    "step: Adam", "validation: layer 1, W transposed", "validation: layer 1, x·W",
+    "validation: layer 1, attention scores and softmax", "validation: layer 1, aggregation and ELU",
+    "validation: layer 2"};
+std::atomic<int64_t> phase_ns[kPhases];
+
+class PhaseTimer {  // times `phase` until next() or the end of the scope; kUntimed: nothing
+ public:
+  explicit PhaseTimer(int phase) : phase_(phase), start_(now()) {}
+  void next(int phase) {
+    const int64_t t = now();
+    if (phase_ != kUntimed) phase_ns[phase_] += t - start_;
+    phase_ = phase;
+    start_ = t;
+  }
+  ~PhaseTimer() { next(kUntimed); }
+
+ private:
+  static int64_t now() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  int phase_;
+  int64_t start_;
+};
+#define GAT_PHASE(timer, phase) PhaseTimer timer(phase)
+#define GAT_NEXT_PHASE(timer, phase) timer.next(phase)
+#else
+#define GAT_PHASE(timer, phase) static_cast<void>(0)
+#define GAT_NEXT_PHASE(timer, phase) static_cast<void>(0)
+#endif
 
 constexpr int kMaxFeatures = 256;  // F' of a head without a specialised build of the layer
 constexpr int kGroup = 8;  // heads whose sums are accumulated side by side
@@ -309,12 +355,13 @@ void elu_inplace(double* x, index_t n) {
 // same order, so the results are the same to the bit; the per-edge work takes an eighth of the instructions.
 // z and α stay edge-major [E, 8] in ws.z8 and ws.alpha8 for the backward pass (first_layer_backward_softmax).
 template <typename T>
-void first_layer_attention(const Problem& p, const LayerParams<T>& w, bool dropout, const Dropout& drop,
-                           void* state, Workspace<T>& ws, LayerCache<T>& c) {
+void first_layer_attention(const Problem& p, const LayerParams<T>& w, [[maybe_unused]] bool training, bool dropout,
+                           const Dropout& drop, void* state, Workspace<T>& ws, LayerCache<T>& c) {
   using V = Vec8<T>;
   const Block& b = p.block[0];
   const index_t S = b.sources, Tn = b.targets, E = b.edges;
   const T slope = static_cast<T>(p.negative_slope);
+  GAT_PHASE(timer, training ? kStepScores : kValScores);
   // Each node's two half-scores, [S, 8] and [Tn, 8]: s(j)_k = a_k · g_kj + b_k.
   ws.s_source.resize(S * 8);
   ws.s_target.resize(Tn * 8);
@@ -350,6 +397,7 @@ void first_layer_attention(const Problem& p, const LayerParams<T>& w, bool dropo
     for (index_t e = begin; e < end; ++e) store8(alpha + e * 8, load8(alpha + e * 8) / total);
   }
 
+  GAT_NEXT_PHASE(timer, training ? kStepDropout : kValAggregate);
   // Dropout on α, then on g, drawn head-major as ReplicaDropout draws them; α dropped, edge-major.
   const T* a_dropped = alpha;
   c.alpha_mask.resize(dropout ? 8 * E : 0);
@@ -366,6 +414,7 @@ void first_layer_attention(const Problem& p, const LayerParams<T>& w, bool dropo
   }
   const T* g_dropped = dropout ? c.g_dropped.data() : c.g.data();
 
+  GAT_NEXT_PHASE(timer, training ? kStepAggregate : kValAggregate);
   // out_i = Σ_j α_ij g_j + c, per head.
   c.pre.resize(8 * Tn * 8);
   for (index_t i = 0; i < Tn; ++i) {
@@ -400,8 +449,10 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
     // reads one contiguous row of 64 weights.
     const T* x = static_cast<const T*>(p.x_val);
     const index_t nnz = p.nnz;
+    GAT_PHASE(timer, training ? kStepTranspose : kValTranspose);
     transpose_heads(w.W, H, fin, F, ws.weights_t);
     using V = Vec8<T>;
+    GAT_NEXT_PHASE(timer, training ? kStepInputMasks : kUntimed);
     if (dropout) {
       // One draw for all heads, in the stream's order [H, nnz], folded into a byte per stored feature (bit k: head k
       // keeps it): an entry's masked values in the 8 heads are x_e times the multipliers of its byte, one vector, for
@@ -421,6 +472,7 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
       for (int bits = 0; bits < 256; ++bits)
         for (int k = 0; k < 8; ++k) c.multipliers[bits * 8 + k] = (bits >> k) & 1 ? static_cast<T>(drop.scale) : T(0);
     }
+    GAT_NEXT_PHASE(timer, training ? kStepXW : kValXW);
     for (index_t j = 0; j < S; ++j) {
       V acc[8] = {};  // head k's 8 features: lane by lane, the same products and sums as scalar code
       for (index_t e = p.x_crow[j]; e < p.x_crow[j + 1]; ++e) {
@@ -522,7 +574,7 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
 
   const bool concat = l == 0;
   if (fast_first_layer<FC>(p, l)) {
-    first_layer_attention(p, w, dropout, drop, state, ws, c);
+    first_layer_attention(p, w, training, dropout, drop, state, ws, c);
   } else {
     // Scores of every node, gathered to edges, and the softmax over each neighbourhood.
     ws.s_target.resize(Tn);
@@ -608,6 +660,7 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
       }
     }
   }
+  GAT_PHASE(timer, !fast_first_layer<FC>(p, l) ? kUntimed : training ? kStepAggregate : kValAggregate);
   if (concat) {  // ELU per head, heads concatenated: [T, H·F']
     for (index_t k = 0; k < H; ++k)
       for (index_t i = 0; i < Tn; ++i)
@@ -706,6 +759,7 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
   ws.grad_s_target.resize(fast ? Tn * 8 : Tn);
   ws.grad_s_source.resize(fast ? S * 8 : S);
   if (grad_input != nullptr) std::fill(grad_input, grad_input + S * fin, T(0));
+  GAT_PHASE(timer, fast ? kStepBackAggregate : kUntimed);
   for (index_t k = 0; k < H; ++k) {
     // ∂L/∂out^k: through ELU (concatenated heads) or the mean of the heads.
     T* dout = ws.grad_out.data();
@@ -850,10 +904,12 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
     }
   }
   if (fast) {
+    GAT_NEXT_PHASE(timer, kStepBackScores);
     first_layer_backward_softmax(p, ws);
     for (index_t k = 0; k < H; ++k)
       score_grads<T, FC>(b, k, F, c.g.data() + k * S * F, w, ws.grad_s_target.data() + k,
                          ws.grad_s_source.data() + k, 8, g, ws.grad_g.data() + k * S * F);
+    GAT_NEXT_PHASE(timer, kStepBackXW);
     first_layer_weight_grad(p, c, ws, g.W);
   }
 }
@@ -970,6 +1026,7 @@ void forward(const Problem& p, void* const* params, index_t r, bool training, co
   ws.hidden.resize(T1 * hidden);
   ws.logits.resize(p.block[1].targets * p.hidden[1]);
   layer_forward_any<T>(p, 0, layer_params<T>(p, 0, params, r), nullptr, training, drop, state, ws, ws.hidden.data());
+  GAT_PHASE(timer, training ? kStepLayer2 : kValLayer2);
   layer_forward_any<T>(p, 1, layer_params<T>(p, 1, params, r), ws.hidden.data(), training, drop, state, ws,
                    ws.logits.data());
 }
@@ -998,6 +1055,7 @@ void train_replica(const Problem& p, index_t r, void* const* params, void* const
                    void* const* grads_out, Workspace<T>& ws) {
   void* state = drop.next != nullptr ? drop.states[r] : nullptr;
   forward<T>(p, params, r, true, drop, state, ws);
+  GAT_PHASE(timer, kStepLoss);
   const index_t M = p.block[1].targets, C = p.hidden[1];
   ws.grad_logits.resize(M * C);
   loss_and_accuracy<T>(p, ws.logits.data(), loss + r, accuracy + r, ws.grad_logits.data());
@@ -1008,8 +1066,11 @@ void train_replica(const Problem& p, index_t r, void* const* params, void* const
   const LayerGrads<T> g0 = layer_grads<T>(p, 0, ws.grads.data());
   const LayerGrads<T> g1 = layer_grads<T>(p, 1, g0.bias + param_numel(p, 0, 5));
   ws.grad_hidden.resize(p.block[0].targets * p.heads[0] * p.hidden[0]);
+  GAT_NEXT_PHASE(timer, kStepBackLayer2);
   layer_backward_any<T>(p, 1, layer_params<T>(p, 1, params, r), ws.grad_logits.data(), ws, g1, ws.grad_hidden.data());
+  GAT_NEXT_PHASE(timer, kUntimed);  // layer 1's backward pass times its own phases
   layer_backward_any<T>(p, 0, layer_params<T>(p, 0, params, r), ws.grad_hidden.data(), ws, g0, nullptr);
+  GAT_NEXT_PHASE(timer, kStepAdam);
 
   const T* grad = ws.grads.data();
   for (int l = 0; l < 2; ++l) {
@@ -1910,6 +1971,16 @@ struct SeedRun : LaneRunBase {
 }  // namespace
 
 extern "C" {
+
+#ifdef GAT_PHASE_TIMERS
+// The phase timers (benchmarks.kernel_phases): how many, their names, their nanoseconds so far, and a reset.
+int gat_phase_count() { return kPhases; }
+const char* gat_phase_name(int phase) { return kPhaseNames[phase]; }
+int64_t gat_phase_ns(int phase) { return phase_ns[phase].load(); }
+void gat_phase_reset() {
+  for (auto& ns : phase_ns) ns = 0;
+}
+#endif
 
 // The layout of the structures above, for gat/fused.py to check its ctypes mirrors against.
 int64_t gat_abi_sizes(int which) {
