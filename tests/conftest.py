@@ -31,6 +31,7 @@ import hashlib
 import http.server
 import io
 import pickle
+import signal
 import struct
 import threading
 import urllib.parse
@@ -400,6 +401,18 @@ TIER_FIXTURES = {
     "dask": {"dask_cluster", "doomed_cluster"},  # a Dask scheduler and workers
     "multihost": {"team_hosts"},  # hosts in network namespaces: the team backend, a Dask cluster, two colleagues
 }
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The processes the tests start get Ctrl-C as a terminal's foreground job gets it, however the suite started.
+
+    A suite started as a background job of a script (`nohup .ci/run &`) inherits an ignored SIGINT, and so would
+    every process it starts: the tests that press Ctrl-C on a server (tests/test_serve.py, tests/test_ui.py) would
+    find it ignored, as it must be then (stages.support.interrupts leaves an ignored SIGINT alone). Python's own
+    handler here is reset to the default in every child.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
