@@ -31,8 +31,8 @@ import hashlib
 import http.server
 import io
 import pickle
-import signal
 import struct
+import sys
 import threading
 import urllib.parse
 from dataclasses import dataclass, field
@@ -403,16 +403,12 @@ TIER_FIXTURES = {
 }
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """The processes the tests start get Ctrl-C as a terminal's foreground job gets it, however the suite started.
-
-    A suite started as a background job of a script (`nohup .ci/run &`) inherits an ignored SIGINT, and so would
-    every process it starts: the tests that press Ctrl-C on a server (tests/test_serve.py, tests/test_ui.py) would
-    find it ignored, as it must be then (stages.support.interrupts leaves an ignored SIGINT alone). Python's own
-    handler here is reset to the default in every child.
-    """
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+# A command's prefix that starts it with Ctrl-C's and SIGHUP's default actions, as from a terminal: a test runner that
+# itself runs as a background job (`nohup .ci/run &`, some CI runners) ignores SIGINT, one under `nohup` ignores
+# SIGHUP, and its children would inherit that (a stage or a server keeps ignoring what it was started ignoring, as
+# `nohup` means it to). The tests that press Ctrl-C or hang up on a process start it behind this.
+WITH_DEFAULT_SIGNALS = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                        "signal.signal(signal.SIGHUP, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

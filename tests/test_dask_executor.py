@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator
 import distributed
 import psutil
 import pytest
+from conftest import WITH_DEFAULT_SIGNALS
 from pipeline_support import TINY, VENV_BIN, Pipeline, clean_env
 from readme_support import STAGE_S, ReadmeShell, process_tree, readme_blocks, stop_all
 
@@ -479,11 +480,9 @@ def test_ctrl_c_stops_a_local_cluster_and_its_workers(copy: Pipeline, tmp_path: 
     _reset(copy, **FOREVER, **{"reproduce.executor": "dask", "reproduce.workers": 1})
     before = {run.info.run_id for run in copy.runs(REPRODUCE_EXPERIMENT)}
     err = tmp_path / "stderr.txt"
-    # Ctrl-C's default action, as in a terminal, even when the test runner itself runs as a background job.
     with err.open("w") as stderr:
         stage = subprocess.Popen(
-            [str(VENV_BIN / "python"), "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-             "os.execv(sys.argv[1], sys.argv[1:])", *_reproduce_command(tmp_path / "out")],
+            [*WITH_DEFAULT_SIGNALS, *_reproduce_command(tmp_path / "out")],
             cwd=copy.root, env={**copy.env, "GAT_DASK_DASHBOARD": "off"}, stdout=subprocess.DEVNULL, stderr=stderr,
             start_new_session=True)
     processes: list[psutil.Process] = []

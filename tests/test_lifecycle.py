@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 
 import psutil
 import pytest
+from conftest import WITH_DEFAULT_SIGNALS
 from pipeline_support import VENV_BIN, Pipeline
 
 from stages.support.store import REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT
@@ -216,13 +217,6 @@ def _dump_stacks(processes: Iterable[psutil.Process]) -> list[str]:
             pass
     _poll(lambda: not _alive(stuck), REAP_S)
     return described
-
-
-# Starts a command with Ctrl-C's and SIGHUP's default actions, as from a terminal: a test runner that itself runs as
-# a background job (`make test &`, some CI runners) ignores SIGINT, one under `nohup` ignores SIGHUP, and its children
-# would inherit that (a stage keeps ignoring what it was started ignoring, as `nohup` means it to).
-WITH_DEFAULT_SIGNALS = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                        "signal.signal(signal.SIGHUP, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"]
 
 
 def _start(script: str, tmp_path: Path, *args: str, **popen: object) -> tuple[subprocess.Popen, Path, Path]:

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 import torch
-from conftest import SYNTHETIC_LAYOUTS, run_stage_in_process, write_synthetic_planetoid
+from conftest import SYNTHETIC_LAYOUTS, WITH_DEFAULT_SIGNALS, run_stage_in_process, write_synthetic_planetoid
 from pipeline_support import REPO, VENV_BIN, clean_env
 
 from gat.data import graph_from_tensors, graph_to_tensors, parse_planetoid
@@ -225,8 +225,9 @@ def served(champion: Champion) -> Iterator[tuple[subprocess.Popen, str, list[int
     import psutil
 
     port = free_port()
-    process = subprocess.Popen([str(VENV_BIN / "python"), "-m", "tools.serve", "--port", str(port)], cwd=REPO,
-                               env=champion.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen([*WITH_DEFAULT_SIGNALS, str(VENV_BIN / "python"), "-m", "tools.serve", "--port",
+                                str(port)], cwd=REPO, env=champion.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
     try:
         lines, deadline = _lines(process.stdout), time.monotonic() + START_TIMEOUT_S
         while True:

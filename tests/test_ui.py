@@ -16,6 +16,7 @@ from typing import Iterator
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
+from conftest import WITH_DEFAULT_SIGNALS
 from markdown_it import MarkdownIt
 from markdown_support import markdown_problems
 
@@ -198,8 +199,8 @@ def _read_until(ui: subprocess.Popen, prefix: str) -> list[str]:
 
 def _ui(port: int, store: str) -> subprocess.Popen:
     env = dict(os.environ, MLFLOW_TRACKING_URI=store, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "tools.ui", "--port", str(port)], cwd=ROOT, env=env, text=True,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen([*WITH_DEFAULT_SIGNALS, sys.executable, "-m", "tools.ui", "--port", str(port)], cwd=ROOT,
+                            env=env, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def test_a_taken_port_is_one_line_exit_2_and_starts_nothing(tiny_store: str) -> None:
