@@ -36,25 +36,30 @@ from stages.support.params import StageError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def build_revision(revision: str, folder: Path, extra_flags: Sequence[str] = ()) -> Path:
-    """`revision`'s gat/csrc/fused.cpp built into `folder` as `make` builds this checkout's, with `extra_flags`
-    after its flags."""
+def build_aside(source: Path, library: Path, extra_flags: Sequence[str], described: str) -> Path:
+    """`source` built into `library` as `make` builds this checkout's kernel, with `extra_flags` after its flags;
+    `described` names the source in the error."""
     compiler = fused.compiler()
     if compiler is None:
         raise StageError("no C++ compiler on PATH: install g++ (`make system-deps`) or set $CXX")
-    shown = subprocess.run(["git", "show", f"{revision}:gat/csrc/fused.cpp"], cwd=REPO_ROOT, capture_output=True)
-    if shown.returncode != 0:
-        raise StageError(f"git has no gat/csrc/fused.cpp at {revision!r}: pass a commit of this repository "
-                         "(e.g. `--against HEAD~1`)")
-    source, library = folder / "fused.cpp", folder / "fused.so"
-    source.write_bytes(shown.stdout)
     built = subprocess.run(fused.compile_command(compiler, source, library, extra_flags), capture_output=True,
                            text=True)
     if built.returncode != 0:
         flags = f" with {' '.join(extra_flags)}" if extra_flags else ""
-        raise StageError(f"{revision}'s fused.cpp does not compile here{flags}: "
+        raise StageError(f"{described} does not compile here{flags}: "
                          f"{(built.stderr.strip().splitlines() or ['?'])[-1]}")
     return library
+
+
+def build_revision(revision: str, folder: Path, extra_flags: Sequence[str] = ()) -> Path:
+    """`revision`'s gat/csrc/fused.cpp built into `folder` (build_aside)."""
+    shown = subprocess.run(["git", "show", f"{revision}:gat/csrc/fused.cpp"], cwd=REPO_ROOT, capture_output=True)
+    if shown.returncode != 0:
+        raise StageError(f"git has no gat/csrc/fused.cpp at {revision!r}: pass a commit of this repository "
+                         "(e.g. `--against HEAD~1`)")
+    source = folder / "fused.cpp"
+    source.write_bytes(shown.stdout)
+    return build_aside(source, folder / "fused.so", extra_flags, f"{revision}'s fused.cpp")
 
 
 def time_kernels(cora: Graph, libraries: dict[str, Any], seeds: int, rounds: int,

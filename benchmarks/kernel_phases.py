@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from benchmarks.data import default_data_dir, load_graph, protocol
+from benchmarks.kernel_ab import build_aside
 from gat import fused
 from gat.data import Graph
 from gat.dropout import ReplicaDropout
@@ -37,16 +37,7 @@ TIMERS_FLAG = "-DGAT_PHASE_TIMERS"
 
 def build_timed(folder: Path) -> Any:
     """This checkout's kernel, built into `folder` with the phase timers, loaded."""
-    compiler = fused.compiler()
-    if compiler is None:
-        raise StageError("no C++ compiler on PATH: install g++ (`make system-deps`) or set $CXX")
-    library = folder / "fused_timed.so"
-    built = subprocess.run(fused.compile_command(compiler, fused.SOURCE, library, (TIMERS_FLAG,)),
-                           capture_output=True, text=True)
-    if built.returncode != 0:
-        raise StageError(f"fused.cpp does not compile with {TIMERS_FLAG}: "
-                         f"{(built.stderr.strip().splitlines() or ['?'])[-1]}")
-    lib = fused.load(library)
+    lib = fused.load(build_aside(fused.SOURCE, folder / "fused_timed.so", (TIMERS_FLAG,), "this checkout's fused.cpp"))
     lib.gat_phase_name.restype = ctypes.c_char_p
     lib.gat_phase_ns.restype = ctypes.c_int64
     return lib
