@@ -226,12 +226,16 @@ struct LayerCache {
   const T* head_input(index_t k, index_t size) const {
     return shared_input != nullptr ? shared_input : input.data() + k * size;
   }
+  // The paper's first layer (fast_first_layer) keeps g, g_dropped and ∂L/∂g by source, [S, H·F']: a source's 8
+  // heads are 4 adjacent cache lines for the gathers along the edges, not 8 scattered ones. Masks stay as drawn.
   std::vector<T> g;          // W·dropout(h) [H, S, F']
   std::vector<T> g_mask;     // [H, S, F']
   std::vector<T> g_dropped;  // [H, S, F']
   std::vector<T> z;          // scores before LeakyReLU [H, E]
   std::vector<T> alpha;      // [H, E]
   std::vector<T> alpha_mask; // [H, E]
+  // The paper's first layer under dropout, by edge [E, 8] for its backward pass: α's mask, and α dropped.
+  std::vector<T> alpha_mask8, alpha_dropped8;
   std::vector<T> pre;        // output before the activation [H, T, F']
 };
 
@@ -241,7 +245,7 @@ struct Workspace {
   std::vector<T> hidden;     // layer 1's output, layer 2's input [T1, H1·F1]
   std::vector<T> logits;     // [T2, C]
   std::vector<T> grad_logits, grad_hidden, grad_out, grad_g, s_target, s_source, grad_s_target, grad_s_source,
-      grad_alpha, e, grads, weights_t, weights_t2, grad_weights_t, grad_g_by_source, z8, alpha8;
+      grad_alpha, e, grads, weights_t, weights_t2, grad_weights_t, z8, alpha8;
   std::vector<uint8_t> kept;  // keep decisions in a stream's order, one byte each
   std::vector<index_t> ties;
 };
@@ -270,6 +274,22 @@ inline void store8(T* p, Vec8<T> v) {
 template <typename T>
 inline T sum8(Vec8<T> v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+// sum8 of each of 8 vectors, lane k of the result the sum of v[k]: the same pairs added in the same order
+// (((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))), by adding the even and odd lanes of two vectors at once.
+template <typename T>
+inline Vec8<T> sum8_each(const Vec8<T> v[8]) {
+  using I = typename Vec8Of<typename std::conditional<sizeof(T) == 4, int32_t, int64_t>::type>::type;
+  // [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7], as _mm256_hadd_ps(a, b)
+  auto pairs = [](Vec8<T> a, Vec8<T> b) {
+    return __builtin_shuffle(a, b, I{0, 2, 8, 10, 4, 6, 12, 14}) + __builtin_shuffle(a, b, I{1, 3, 9, 11, 5, 7, 13, 15});
+  };
+  // lanes 0-3: the low halves' sums (a0+a1)+(a2+a3) of v[0..3], lanes 4-7 their high halves'; likewise for v[4..7]
+  const Vec8<T> first = pairs(pairs(v[0], v[1]), pairs(v[2], v[3]));
+  const Vec8<T> second = pairs(pairs(v[4], v[5]), pairs(v[6], v[7]));
+  return __builtin_shuffle(first, second, I{0, 1, 2, 3, 8, 9, 10, 11}) +
+         __builtin_shuffle(first, second, I{4, 5, 6, 7, 12, 13, 14, 15});
 }
 
 // The first layer of the paper's model (8 heads of 8 features) has a layout of its own; see layer_forward.
@@ -365,12 +385,11 @@ void first_layer_attention(const Problem& p, const LayerParams<T>& w, [[maybe_un
   // Each node's two half-scores, [S, 8] and [Tn, 8]: s(j)_k = a_k · g_kj + b_k.
   ws.s_source.resize(S * 8);
   ws.s_target.resize(Tn * 8);
-  for (int k = 0; k < 8; ++k) {
-    const T* gk = c.g.data() + k * S * 8;
-    for (index_t j = 0; j < S; ++j) ws.s_source[j * 8 + k] = dot(gk + j * 8, w.a_source + k * 8, 8) + w.b_source[k];
-    for (index_t i = 0; i < Tn; ++i)
-      ws.s_target[i * 8 + k] = dot(gk + b.target_in_source[i] * 8, w.a_target + k * 8, 8) + w.b_target[k];
-  }
+  for (index_t j = 0; j < S; ++j)  // g by source: head k of source j at 64 j + 8 k
+    for (int k = 0; k < 8; ++k) ws.s_source[j * 8 + k] = dot(c.g.data() + j * 64 + k * 8, w.a_source + k * 8, 8) + w.b_source[k];
+  for (index_t i = 0; i < Tn; ++i)
+    for (int k = 0; k < 8; ++k)
+      ws.s_target[i * 8 + k] = dot(c.g.data() + b.target_in_source[i] * 64 + k * 8, w.a_target + k * 8, 8) + w.b_target[k];
   ws.z8.resize(E * 8);
   ws.alpha8.resize(E * 8);
   T* z = ws.z8.data();
@@ -406,11 +425,17 @@ void first_layer_attention(const Problem& p, const LayerParams<T>& w, [[maybe_un
   if (dropout) {
     draw_mask(drop, state, 8 * E, c.alpha_mask.data(), ws.ties);
     draw_mask(drop, state, 8 * S * 8, c.g_mask.data(), ws.ties);
-    for (index_t n = 0; n < 8 * S * 8; ++n) c.g_dropped[n] = c.g[n] * c.g_mask[n];
-    ws.grad_alpha.resize(E * 8);
+    for (index_t j = 0; j < S; ++j)  // the mask head-major as drawn, g by source
+      for (int k = 0; k < 8; ++k) {
+        const index_t at = j * 64 + k * 8;
+        store8(c.g_dropped.data() + at, load8(c.g.data() + at) * load8(c.g_mask.data() + (k * S + j) * 8));
+      }
+    c.alpha_mask8.resize(E * 8);
+    c.alpha_dropped8.resize(E * 8);
     for (index_t e = 0; e < E; ++e)
-      for (int k = 0; k < 8; ++k) ws.grad_alpha[e * 8 + k] = alpha[e * 8 + k] * c.alpha_mask[k * E + e];
-    a_dropped = ws.grad_alpha.data();
+      for (int k = 0; k < 8; ++k) c.alpha_mask8[e * 8 + k] = c.alpha_mask[k * E + e];
+    for (index_t n = 0; n < E * 8; ++n) c.alpha_dropped8[n] = alpha[n] * c.alpha_mask8[n];
+    a_dropped = c.alpha_dropped8.data();
   }
   const T* g_dropped = dropout ? c.g_dropped.data() : c.g.data();
 
@@ -422,7 +447,7 @@ void first_layer_attention(const Problem& p, const LayerParams<T>& w, [[maybe_un
     for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
       const index_t j = b.source[e];
       const V a = load8(a_dropped + e * 8);
-      for (int k = 0; k < 8; ++k) acc[k] += a[k] * load8(g_dropped + (k * S + j) * 8);
+      for (int k = 0; k < 8; ++k) acc[k] += a[k] * load8(g_dropped + j * 64 + k * 8);
     }
     for (int k = 0; k < 8; ++k) store8(c.pre.data() + (k * Tn + i) * 8, acc[k] + load8(w.bias + k * 8));
   }
@@ -484,7 +509,7 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
           for (int k = 0; k < 8; ++k) acc[k] += x[e] * load8(row + k * 8);
         }
       }
-      for (int k = 0; k < 8; ++k) store8(c.g.data() + (k * S + j) * 8, acc[k]);
+      for (int k = 0; k < 8; ++k) store8(c.g.data() + j * 64 + k * 8, acc[k]);
     }
   } else if (l == 0) {
     const T* x = static_cast<const T*>(p.x_val);
@@ -673,18 +698,18 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
   }
 }
 
-// ∂L/∂a, ∂L/∂b of head k's two half-scores, from ∂L/∂s_target [Tn] and ∂L/∂s_source [S] (read every `stride`
-// elements), and their share of ∂L/∂g^k, added into `dg` [S, F'].
+// ∂L/∂a, ∂L/∂b of head k's two half-scores, from ∂L/∂s_target [Tn] and ∂L/∂s_source [S], and their share of
+// ∂L/∂g^k, added into `dg` [S, F'].
 template <typename T, int FC>
 void score_grads(const Block& b, index_t k, index_t F, const T* gk, const LayerParams<T>& w, const T* grad_s_target,
-                 const T* grad_s_source, index_t stride, const LayerGrads<T>& g, T* dg) {
+                 const T* grad_s_source, const LayerGrads<T>& g, T* dg) {
   constexpr int KM = FC > 0 ? FC : kMaxFeatures;
   const T* at = w.a_target + k * F;
   const T* as = w.a_source + k * F;
   T bt = T(0), bs = T(0);
   T acc_t[KM] = {}, acc_s[KM] = {};
   for (index_t i = 0; i < b.targets; ++i) {
-    const T d = grad_s_target[i * stride];
+    const T d = grad_s_target[i];
     const index_t j = b.target_in_source[i];
     bt += d;
     for (index_t f = 0; f < F; ++f) {
@@ -693,7 +718,7 @@ void score_grads(const Block& b, index_t k, index_t F, const T* gk, const LayerP
     }
   }
   for (index_t j = 0; j < b.sources; ++j) {
-    const T d = grad_s_source[j * stride];
+    const T d = grad_s_source[j];
     bs += d;
     for (index_t f = 0; f < F; ++f) {
       acc_s[f] += d * gk[j * F + f];
@@ -738,6 +763,95 @@ void first_layer_backward_softmax(const Problem& p, Workspace<T>& ws) {
 template <typename T>
 void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W);
 
+// The backward pass of the paper's first layer, its 8 heads at once along each edge and each source (g, g dropped
+// and ∂L/∂g by source, [S, 64]; α and ∂L/∂α by edge, [E, 8]): ∂L/∂out through ELU and the bias; the aggregation's
+// ∂L/∂α and ∂L/∂g; the softmax (first_layer_backward_softmax); the half-scores' ∂L/∂a, ∂L/∂b and their share of
+// ∂L/∂g; ∂L/∂W. Head k gets the general code's operations (layer_backward and score_grads), each sum in the same
+// order: the loops over the heads moved inside those over edges and sources, which changes no sum.
+template <typename T>
+void first_layer_backward(const Problem& p, const LayerParams<T>& w, const T* grad_output, Workspace<T>& ws,
+                          const LayerGrads<T>& g) {
+  using V = Vec8<T>;
+  const LayerCache<T>& c = ws.cache[0];
+  const Block& b = p.block[0];
+  const index_t S = b.sources, Tn = b.targets, E = b.edges;
+  const bool dropout = !c.alpha_mask.empty();
+  GAT_PHASE(timer, kStepBackAggregate);
+  // ∂L/∂out [Tn, 64] through ELU: exp(min(x, 0)) for every element, one product each (layer_backward says why).
+  ws.e.resize(std::max<index_t>(ws.e.size(), 8 * Tn * 8));
+  T* slope_of = ws.e.data();  // [8, Tn, 8], as c.pre
+  for (index_t n = 0; n < 8 * Tn * 8; ++n) slope_of[n] = std::min(c.pre[n], T(0));
+  exp_inplace(slope_of, 8 * Tn * 8);
+  ws.grad_out.resize(Tn * 64);
+  T* dout = ws.grad_out.data();
+  V bias[8] = {};
+  for (index_t i = 0; i < Tn; ++i)
+    for (int k = 0; k < 8; ++k) {
+      const V d = load8(grad_output + i * 64 + k * 8) * load8(slope_of + (k * Tn + i) * 8);
+      store8(dout + i * 64 + k * 8, d);
+      bias[k] += d;
+    }
+  for (int k = 0; k < 8; ++k) store8(g.bias + k * 8, bias[k]);
+
+  // Aggregation: ∂L/∂α_ij = mask_ij ∂L/∂out_i · dropout(g_j); ∂L/∂g_j = mask_j Σ_i dropout(α_ij) ∂L/∂out_i.
+  ws.grad_alpha.resize(E * 8);
+  ws.grad_g.assign(S * 64, T(0));
+  const T* a_dropped = dropout ? c.alpha_dropped8.data() : ws.alpha8.data();
+  const T* gd = dropout ? c.g_dropped.data() : c.g.data();
+  T* dg = ws.grad_g.data();
+  for (index_t i = 0; i < Tn; ++i) {
+    V dv[8];
+    for (int k = 0; k < 8; ++k) dv[k] = load8(dout + i * 64 + k * 8);
+    for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
+      const index_t j = b.source[e];
+      V prod[8];
+      for (int k = 0; k < 8; ++k) prod[k] = dv[k] * load8(gd + j * 64 + k * 8);
+      const V da = sum8_each<T>(prod);  // lane k: head k's dot product, its lanes summed as sum8 sums them
+      store8(ws.grad_alpha.data() + e * 8, dropout ? da * load8(c.alpha_mask8.data() + e * 8) : da);
+      const V a = load8(a_dropped + e * 8);
+      for (int k = 0; k < 8; ++k) store8(dg + j * 64 + k * 8, load8(dg + j * 64 + k * 8) + a[k] * dv[k]);
+    }
+  }
+  if (dropout) {
+    for (index_t j = 0; j < S; ++j)
+      for (int k = 0; k < 8; ++k)
+        store8(dg + j * 64 + k * 8, load8(dg + j * 64 + k * 8) * load8(c.g_mask.data() + (k * S + j) * 8));
+  }
+
+  GAT_NEXT_PHASE(timer, kStepBackScores);
+  ws.grad_s_target.resize(Tn * 8);
+  ws.grad_s_source.resize(S * 8);
+  first_layer_backward_softmax(p, ws);
+  // The half-scores s(j)_k = a_k · g_kj + b_k: lane k of each vector below is head k's scalar in score_grads.
+  V grad_a_target[8] = {}, grad_a_source[8] = {}, grad_b_target = {}, grad_b_source = {};
+  for (index_t i = 0; i < Tn; ++i) {
+    const V d = load8(ws.grad_s_target.data() + i * 8);
+    const index_t j = b.target_in_source[i];
+    grad_b_target += d;
+    for (int k = 0; k < 8; ++k) {
+      grad_a_target[k] += d[k] * load8(c.g.data() + j * 64 + k * 8);
+      store8(dg + j * 64 + k * 8, load8(dg + j * 64 + k * 8) + d[k] * load8(w.a_target + k * 8));
+    }
+  }
+  for (index_t j = 0; j < S; ++j) {
+    const V d = load8(ws.grad_s_source.data() + j * 8);
+    grad_b_source += d;
+    for (int k = 0; k < 8; ++k) {
+      grad_a_source[k] += d[k] * load8(c.g.data() + j * 64 + k * 8);
+      store8(dg + j * 64 + k * 8, load8(dg + j * 64 + k * 8) + d[k] * load8(w.a_source + k * 8));
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    store8(g.a_target + k * 8, grad_a_target[k]);
+    store8(g.a_source + k * 8, grad_a_source[k]);
+    g.b_target[k] = grad_b_target[k];
+    g.b_source[k] = grad_b_source[k];
+  }
+
+  GAT_NEXT_PHASE(timer, kStepBackXW);
+  first_layer_weight_grad(p, c, ws, g.W);
+}
+
 // Layer `l` backward for one replica: `grad_output` is ∂L/∂output; accumulates into `g` and, for layer 2,
 // writes ∂L/∂input into `grad_input` [S, F_in].
 template <typename T, int FC>
@@ -752,14 +866,13 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
   const T slope = static_cast<T>(p.negative_slope);
   const bool concat = l == 0;
 
-  const bool fast = fast_first_layer<FC>(p, l);
+  if (fast_first_layer<FC>(p, l)) return first_layer_backward(p, w, grad_output, ws, g);
   ws.grad_out.resize(Tn * F);
   ws.grad_g.resize(H * S * F);
-  ws.grad_alpha.resize(std::max<index_t>(fast ? E * 8 : E, 1));
-  ws.grad_s_target.resize(fast ? Tn * 8 : Tn);
-  ws.grad_s_source.resize(fast ? S * 8 : S);
+  ws.grad_alpha.resize(std::max<index_t>(E, 1));
+  ws.grad_s_target.resize(Tn);
+  ws.grad_s_source.resize(S);
   if (grad_input != nullptr) std::fill(grad_input, grad_input + S * fin, T(0));
-  GAT_PHASE(timer, fast ? kStepBackAggregate : kUntimed);
   for (index_t k = 0; k < H; ++k) {
     // ∂L/∂out^k: through ELU (concatenated heads) or the mean of the heads.
     T* dout = ws.grad_out.data();
@@ -787,10 +900,7 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
     }
 
     // Aggregation: ∂L/∂α_ij = mask_ij ∂L/∂out_i · dropout(g_j); ∂L/∂g_j = mask_j Σ_i dropout(α_ij) ∂L/∂out_i.
-    // α of head k: head-major in general, edge-major [E, 8] in the paper's first layer; ∂L/∂α likewise.
-    const T* alpha = fast ? ws.alpha8.data() + k : c.alpha.data() + k * E;
-    const index_t a_stride = fast ? 8 : 1;
-    T* grad_alpha = fast ? ws.grad_alpha.data() + k : ws.grad_alpha.data();
+    const T* alpha = c.alpha.data() + k * E;
     const T* am = dropout ? c.alpha_mask.data() + k * E : nullptr;
     const T* gd = (dropout ? c.g_dropped.data() : c.g.data()) + k * S * F;
     const T* gk = c.g.data() + k * S * F;
@@ -802,10 +912,10 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
         const Vec8<T> dv = load8(di);
         for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
           const index_t j = b.source[e];
-          const T a = am ? alpha[e * a_stride] * am[e] : alpha[e * a_stride];
+          const T a = am ? alpha[e] * am[e] : alpha[e];
           const Vec8<T> prod = dv * load8(gd + j * 8);
           const T da = sum8<T>(prod);
-          grad_alpha[e * a_stride] = am ? da * am[e] : da;
+          ws.grad_alpha[e] = am ? da * am[e] : da;
           store8(dg + j * 8, load8(dg + j * 8) + a * dv);
         }
         continue;
@@ -823,7 +933,6 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
       const T* gm = c.g_mask.data() + k * S * F;
       for (index_t i = 0; i < S * F; ++i) dg[i] = dg[i] * gm[i];
     }
-    if (fast) continue;  // the softmax of all heads at once after this loop, then the rest per head
 
     // Softmax: ∂L/∂e = α ∘ (∂L/∂α - Σ_segment α ∘ ∂L/∂α); LeakyReLU; then the two halves of the score.
     const T* z = c.z.data() + k * E;
@@ -841,10 +950,9 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
       }
       ws.grad_s_target[i] = st;
     }
-    score_grads<T, FC>(b, k, F, gk, w, ws.grad_s_target.data(), ws.grad_s_source.data(), 1, g, dg);
+    score_grads<T, FC>(b, k, F, gk, w, ws.grad_s_target.data(), ws.grad_s_source.data(), g, dg);
 
     // g = W^k · dropout_k(h): ∂L/∂W^k = dropout_k(h)^T ∂L/∂g; ∂L/∂h = mask_k ∘ (∂L/∂g W^k^T).
-    if (fast) continue;  // after the loop over the heads, for all of them at once
     T* dW = g.W + k * fin * F;
     std::fill(dW, dW + fin * F, T(0));
     if (l == 0) {
@@ -903,15 +1011,6 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
       }
     }
   }
-  if (fast) {
-    GAT_NEXT_PHASE(timer, kStepBackScores);
-    first_layer_backward_softmax(p, ws);
-    for (index_t k = 0; k < H; ++k)
-      score_grads<T, FC>(b, k, F, c.g.data() + k * S * F, w, ws.grad_s_target.data() + k,
-                         ws.grad_s_source.data() + k, 8, g, ws.grad_g.data() + k * S * F);
-    GAT_NEXT_PHASE(timer, kStepBackXW);
-    first_layer_weight_grad(p, c, ws, g.W);
-  }
 }
 
 // ∂L/∂W of the paper's first layer, all heads of a stored feature at once, into `grad_W` [H, F_in, F'].
@@ -920,15 +1019,11 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
 // The terms are added in the same order either way (rows ascending), so the sums are the same to the bit.
 template <typename T>
 void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W) {
-  const index_t S = p.block[0].sources, fin = p.f_in;
+  const index_t fin = p.f_in;
   const bool dropout = !c.alpha_mask.empty();
   const T* x = static_cast<const T*>(p.x_val);
   using V = Vec8<T>;
-  // ∂L/∂g [H, S, 8] -> [S, H·8]: a source's 64 values in one place.
-  ws.grad_g_by_source.resize(S * 64);
-  T* dg = ws.grad_g_by_source.data();
-  for (int k = 0; k < 8; ++k)
-    for (index_t j = 0; j < S; ++j) store8(dg + j * 64 + k * 8, load8(ws.grad_g.data() + (k * S + j) * 8));
+  const T* dg = ws.grad_g.data();  // by source, [S, H·8]: a source's 64 values in one place
   for (index_t q = 0; q < fin; ++q) {
     V acc[8] = {};
     for (index_t t = p.x_ccol[q]; t < p.x_ccol[q + 1]; ++t) {
