@@ -292,6 +292,17 @@ inline Vec8<T> sum8_each(const Vec8<T> v[8]) {
          __builtin_shuffle(first, second, I{4, 5, 6, 7, 12, 13, 14, 15});
 }
 
+// Lane k of v in every lane: one cross-lane permute with AVX2 (GCC otherwise spends two shuffles on most lanes).
+template <typename T>
+inline Vec8<T> lane_everywhere(Vec8<T> v, int k) {
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float>)
+    return reinterpret_cast<Vec8<T>>(_mm256_permutevar8x32_ps(reinterpret_cast<__m256>(v), _mm256_set1_epi32(k)));
+#endif
+  const T x = v[k];
+  return Vec8<T>{x, x, x, x, x, x, x, x};  // not 0 + x, which would turn -0 into +0
+}
+
 // The first layer of the paper's model (8 heads of 8 features) has a layout of its own; see layer_forward.
 template <int FC>
 bool fast_first_layer(const Problem& p, int l) {
@@ -447,7 +458,7 @@ void first_layer_attention(const Problem& p, const LayerParams<T>& w, [[maybe_un
     for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
       const index_t j = b.source[e];
       const V a = load8(a_dropped + e * 8);
-      for (int k = 0; k < 8; ++k) acc[k] += a[k] * load8(g_dropped + j * 64 + k * 8);
+      for (int k = 0; k < 8; ++k) acc[k] += lane_everywhere<T>(a, k) * load8(g_dropped + j * 64 + k * 8);
     }
     for (int k = 0; k < 8; ++k) store8(c.pre.data() + (k * Tn + i) * 8, acc[k] + load8(w.bias + k * 8));
   }
@@ -504,7 +515,7 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
         const T* row = ws.weights_t.data() + p.x_col[e] * 64;
         if (dropout) {
           const V v = x[e] * load8(c.multipliers.data() + c.heads_kept[e] * 8);  // x_e · mask_k, as ReplicaDropout
-          for (int k = 0; k < 8; ++k) acc[k] += v[k] * load8(row + k * 8);
+          for (int k = 0; k < 8; ++k) acc[k] += lane_everywhere<T>(v, k) * load8(row + k * 8);
         } else {
           for (int k = 0; k < 8; ++k) acc[k] += x[e] * load8(row + k * 8);
         }
@@ -809,7 +820,7 @@ void first_layer_backward(const Problem& p, const LayerParams<T>& w, const T* gr
       const V da = sum8_each<T>(prod);  // lane k: head k's dot product, its lanes summed as sum8 sums them
       store8(ws.grad_alpha.data() + e * 8, dropout ? da * load8(c.alpha_mask8.data() + e * 8) : da);
       const V a = load8(a_dropped + e * 8);
-      for (int k = 0; k < 8; ++k) store8(dg + j * 64 + k * 8, load8(dg + j * 64 + k * 8) + a[k] * dv[k]);
+      for (int k = 0; k < 8; ++k) store8(dg + j * 64 + k * 8, load8(dg + j * 64 + k * 8) + lane_everywhere<T>(a, k) * dv[k]);
     }
   }
   if (dropout) {
@@ -829,16 +840,18 @@ void first_layer_backward(const Problem& p, const LayerParams<T>& w, const T* gr
     const index_t j = b.target_in_source[i];
     grad_b_target += d;
     for (int k = 0; k < 8; ++k) {
-      grad_a_target[k] += d[k] * load8(c.g.data() + j * 64 + k * 8);
-      store8(dg + j * 64 + k * 8, load8(dg + j * 64 + k * 8) + d[k] * load8(w.a_target + k * 8));
+      const V dk = lane_everywhere<T>(d, k);
+      grad_a_target[k] += dk * load8(c.g.data() + j * 64 + k * 8);
+      store8(dg + j * 64 + k * 8, load8(dg + j * 64 + k * 8) + dk * load8(w.a_target + k * 8));
     }
   }
   for (index_t j = 0; j < S; ++j) {
     const V d = load8(ws.grad_s_source.data() + j * 8);
     grad_b_source += d;
     for (int k = 0; k < 8; ++k) {
-      grad_a_source[k] += d[k] * load8(c.g.data() + j * 64 + k * 8);
-      store8(dg + j * 64 + k * 8, load8(dg + j * 64 + k * 8) + d[k] * load8(w.a_source + k * 8));
+      const V dk = lane_everywhere<T>(d, k);
+      grad_a_source[k] += dk * load8(c.g.data() + j * 64 + k * 8);
+      store8(dg + j * 64 + k * 8, load8(dg + j * 64 + k * 8) + dk * load8(w.a_source + k * 8));
     }
   }
   for (int k = 0; k < 8; ++k) {
@@ -1031,7 +1044,7 @@ void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace
       const index_t e = p.x_pos[t];
       if (dropout) {
         const V v = x[e] * load8(c.multipliers.data() + c.heads_kept[e] * 8);  // the entry's masked value in each head
-        for (int k = 0; k < 8; ++k) acc[k] += v[k] * load8(dgj + k * 8);
+        for (int k = 0; k < 8; ++k) acc[k] += lane_everywhere<T>(v, k) * load8(dgj + k * 8);
       } else {
         for (int k = 0; k < 8; ++k) acc[k] += x[e] * load8(dgj + k * 8);
       }
