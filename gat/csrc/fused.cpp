@@ -93,7 +93,7 @@ constexpr const char* kPhaseNames[kPhases] = {
     "step: layer 1, aggregation and ELU", "step: layer 2", "step: loss", "step: layer 2 backward",
     "step: layer 1 backward, aggregation", "step: layer 1 backward, softmax and scores", "step: layer 1 backward, ∂L/∂W",
     "step: Adam", "validation: layer 1, W transposed", "validation: layer 1, x·W",
-    "validation: layer 1, attention scores and softmax", "validation: layer 1, aggregation and ELU",
+    "validation: layer 1, half-scores", "validation: layer 1, softmax, aggregation and ELU",
     "validation: layer 2"};
 std::atomic<int64_t> phase_ns[kPhases];
 
@@ -303,6 +303,41 @@ inline Vec8<T> lane_everywhere(Vec8<T> v, int k) {
   return Vec8<T>{x, x, x, x, x, x, x, x};  // not 0 + x, which would turn -0 into +0
 }
 
+// The 8 × 8 matrix `rows` transposed in place: lane k of rows[f] becomes lane f of rows[k] (AVX2's unpack, shuffle
+// and 128-bit permute pattern; moves only, no arithmetic).
+template <typename T>
+inline void transpose8(Vec8<T> rows[8]) {
+  using I = typename Vec8Of<typename std::conditional<sizeof(T) == 4, int32_t, int64_t>::type>::type;
+  Vec8<T> t[8], u[8];
+  for (int r = 0; r < 8; r += 2) {
+    t[r] = __builtin_shuffle(rows[r], rows[r + 1], I{0, 8, 1, 9, 4, 12, 5, 13});       // unpacklo
+    t[r + 1] = __builtin_shuffle(rows[r], rows[r + 1], I{2, 10, 3, 11, 6, 14, 7, 15});  // unpackhi
+  }
+  for (int r = 0; r < 8; r += 4)
+    for (int h = 0; h < 2; ++h) {
+      u[r + 2 * h] = __builtin_shuffle(t[r + h], t[r + h + 2], I{0, 1, 8, 9, 4, 5, 12, 13});
+      u[r + 2 * h + 1] = __builtin_shuffle(t[r + h], t[r + h + 2], I{2, 3, 10, 11, 6, 7, 14, 15});
+    }
+  // u[0..3]: columns 0, 1, 2, 3 of rows 0-3 in lanes 0-3 and columns 4-7 in lanes 4-7; u[4..7] likewise of rows 4-7
+  for (int f = 0; f < 4; ++f) {
+    rows[f] = __builtin_shuffle(u[f], u[f + 4], I{0, 1, 2, 3, 8, 9, 10, 11});
+    rows[f + 4] = __builtin_shuffle(u[f], u[f + 4], I{4, 5, 6, 7, 12, 13, 14, 15});
+  }
+}
+
+// The 8 heads' half-scores of one node from its 64 features g (head k's 8 at 8 k): lane k is
+// dot(g + 8 k, a + 8 k, 8) + b[k], the same products added in the same order (0, then f = 0..7, then b), the 8
+// heads' sums side by side after one transpose of the products.
+template <typename T>
+inline Vec8<T> half_scores8(const T* g, const T* a, const T* b) {
+  Vec8<T> products[8];
+  for (int k = 0; k < 8; ++k) products[k] = load8(g + k * 8) * load8(a + k * 8);
+  transpose8<T>(products);  // products[f]: feature f's product in each head
+  Vec8<T> s = {};
+  for (int f = 0; f < 8; ++f) s += products[f];
+  return s + load8(b);
+}
+
 // The first layer of the paper's model (8 heads of 8 features) has a layout of its own; see layer_forward.
 template <int FC>
 bool fast_first_layer(const Problem& p, int l) {
@@ -313,8 +348,8 @@ bool fast_first_layer(const Problem& p, int l) {
 template <typename T>
 void transpose_heads(const T* W, index_t H, index_t fin, index_t F, std::vector<T>& out) {
   out.resize(fin * H * F);
-  for (index_t k = 0; k < H; ++k)
-    for (index_t q = 0; q < fin; ++q) {
+  for (index_t q = 0; q < fin; ++q)  // the output in order, from H streams of the input
+    for (index_t k = 0; k < H; ++k) {
       if (F == 8) {  // one vector, not a call to memmove
         store8(out.data() + (q * H + k) * 8, load8(W + (k * fin + q) * 8));
       } else {
@@ -380,14 +415,55 @@ void elu_inplace(double* x, index_t n) {
   for (index_t i = 0; i < n; ++i) x[i] = x[i] > 0.0 ? x[i] : std::expm1(x[i]);
 }
 
+// The paper's first layer past g in a validation or test pass (no dropout, nothing kept for a backward pass): per
+// target, its edges' scores, softmax and weighted sum, and the ELU, written to `output` [Tn, 64] at once. Each value
+// takes the operations of first_layer_attention and layer_forward's ELU in the same order, so the bytes are theirs;
+// z, α and the pre-activations never leave the L1 cache.
+template <typename T>
+void first_layer_inference(const Problem& p, const LayerParams<T>& w, Workspace<T>& ws, const LayerCache<T>& c,
+                           T* output) {
+  using V = Vec8<T>;
+  const Block& b = p.block[0];
+  const index_t Tn = b.targets;
+  const V zero = {}, slopes = zero + static_cast<T>(p.negative_slope);
+  index_t degree = 0;
+  for (index_t i = 0; i < Tn; ++i) degree = std::max(degree, b.crow[i + 1] - b.crow[i]);
+  ws.alpha8.resize(degree * 8);
+  T* alpha = ws.alpha8.data();  // one neighbourhood's α, edge-major [degree, 8]
+  GAT_PHASE(timer, kValAggregate);
+  for (index_t i = 0; i < Tn; ++i) {
+    const index_t begin = b.crow[i], n = b.crow[i + 1] - begin;
+    const V st = load8(ws.s_target.data() + i * 8);
+    V shift = zero - T(INFINITY);
+    for (index_t e = 0; e < n; ++e) {
+      const V ze = st + load8(ws.s_source.data() + b.source[begin + e] * 8);
+      const V leaky = ze > zero ? ze : ze * slopes;
+      store8(alpha + e * 8, leaky);
+      shift = shift < leaky ? leaky : shift;
+    }
+    for (index_t e = 0; e < n; ++e) store8(alpha + e * 8, load8(alpha + e * 8) - shift);
+    exp_inplace(alpha, n * 8);
+    V total = zero;
+    for (index_t e = 0; e < n; ++e) total += load8(alpha + e * 8);
+    V acc[8] = {};
+    for (index_t e = 0; e < n; ++e) {
+      const T* gj = c.g.data() + b.source[begin + e] * 64;
+      const V a = load8(alpha + e * 8) / total;
+      for (int k = 0; k < 8; ++k) acc[k] += lane_everywhere<T>(a, k) * load8(gj + k * 8);
+    }
+    for (int k = 0; k < 8; ++k) store8(output + i * 64 + k * 8, acc[k] + load8(w.bias + k * 8));
+    elu_inplace(output + i * 64, 64);
+  }
+}
+
 // The attention of the paper's first layer (8 heads of 8 features), its dropout and its aggregation into c.pre,
 // with the 8 heads as the 8 lanes of a vector in every per-edge operation: scores, LeakyReLU, the softmax and the
 // weighted sum. Each lane computes what the general code computes for its head, operation by operation and in the
 // same order, so the results are the same to the bit; the per-edge work takes an eighth of the instructions.
 // z and α stay edge-major [E, 8] in ws.z8 and ws.alpha8 for the backward pass (first_layer_backward_softmax).
 template <typename T>
-void first_layer_attention(const Problem& p, const LayerParams<T>& w, [[maybe_unused]] bool training, bool dropout,
-                           const Dropout& drop, void* state, Workspace<T>& ws, LayerCache<T>& c) {
+void first_layer_attention(const Problem& p, const LayerParams<T>& w, bool training, bool dropout, const Dropout& drop,
+                           void* state, Workspace<T>& ws, LayerCache<T>& c, T* output) {
   using V = Vec8<T>;
   const Block& b = p.block[0];
   const index_t S = b.sources, Tn = b.targets, E = b.edges;
@@ -397,10 +473,13 @@ void first_layer_attention(const Problem& p, const LayerParams<T>& w, [[maybe_un
   ws.s_source.resize(S * 8);
   ws.s_target.resize(Tn * 8);
   for (index_t j = 0; j < S; ++j)  // g by source: head k of source j at 64 j + 8 k
-    for (int k = 0; k < 8; ++k) ws.s_source[j * 8 + k] = dot(c.g.data() + j * 64 + k * 8, w.a_source + k * 8, 8) + w.b_source[k];
+    store8(ws.s_source.data() + j * 8, half_scores8(c.g.data() + j * 64, w.a_source, w.b_source));
   for (index_t i = 0; i < Tn; ++i)
-    for (int k = 0; k < 8; ++k)
-      ws.s_target[i * 8 + k] = dot(c.g.data() + b.target_in_source[i] * 64 + k * 8, w.a_target + k * 8, 8) + w.b_target[k];
+    store8(ws.s_target.data() + i * 8, half_scores8(c.g.data() + b.target_in_source[i] * 64, w.a_target, w.b_target));
+  if (!training) {
+    GAT_NEXT_PHASE(timer, kUntimed);  // first_layer_inference times itself
+    return first_layer_inference(p, w, ws, c, output);
+  }
   ws.z8.resize(E * 8);
   ws.alpha8.resize(E * 8);
   T* z = ws.z8.data();
@@ -610,7 +689,8 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
 
   const bool concat = l == 0;
   if (fast_first_layer<FC>(p, l)) {
-    first_layer_attention(p, w, training, dropout, drop, state, ws, c);
+    first_layer_attention(p, w, training, dropout, drop, state, ws, c, output);
+    if (!training) return;  // first_layer_inference wrote the output
   } else {
     // Scores of every node, gathered to edges, and the softmax over each neighbourhood.
     ws.s_target.resize(Tn);
