@@ -202,14 +202,19 @@ inline void draw_kept_bytes(const Dropout& d, void* state, index_t count, uint8_
   for (index_t n : ties) out[n] = (d.next(state) & 0xFFFFFFu) >= d.threshold_rest ? 0xFF : 0x00;
 }
 
+// A layer's parameters (or their gradients), torch's layouts. W_by_feature: the paper's first layer keeps W (and
+// ∂L/∂W) as [F_in, H·F'], the 64 weights of an input feature in one row (SeedRun's own copy; layer_forward would
+// otherwise transpose torch's [H, F_in, F'] into that on every pass).
 template <typename T>
 struct LayerParams {
   const T *W, *a_target, *a_source, *b_target, *b_source, *bias;
+  bool W_by_feature = false;
 };
 
 template <typename T>
 struct LayerGrads {
   T *W, *a_target, *a_source, *b_target, *b_source, *bias;
+  bool W_by_feature = false;
 };
 
 // What a layer's backward pass needs of its forward pass.
@@ -565,7 +570,8 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
     const T* x = static_cast<const T*>(p.x_val);
     const index_t nnz = p.nnz;
     GAT_PHASE(timer, training ? kStepTranspose : kValTranspose);
-    transpose_heads(w.W, H, fin, F, ws.weights_t);
+    if (!w.W_by_feature) transpose_heads(w.W, H, fin, F, ws.weights_t);
+    const T* weights = w.W_by_feature ? w.W : ws.weights_t.data();
     using V = Vec8<T>;
     GAT_NEXT_PHASE(timer, training ? kStepInputMasks : kUntimed);
     if (dropout) {
@@ -591,7 +597,7 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
     for (index_t j = 0; j < S; ++j) {
       V acc[8] = {};  // head k's 8 features: lane by lane, the same products and sums as scalar code
       for (index_t e = p.x_crow[j]; e < p.x_crow[j + 1]; ++e) {
-        const T* row = ws.weights_t.data() + p.x_col[e] * 64;
+        const T* row = weights + p.x_col[e] * 64;
         if (dropout) {
           const V v = x[e] * load8(c.multipliers.data() + c.heads_kept[e] * 8);  // x_e · mask_k, as ReplicaDropout
           for (int k = 0; k < 8; ++k) acc[k] += lane_everywhere<T>(v, k) * load8(row + k * 8);
@@ -663,13 +669,19 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
         ws.weights_t2.resize(F * fin);
         for (index_t q = 0; q < fin; ++q)
           for (index_t f = 0; f < F; ++f) ws.weights_t2[f * fin + q] = Wk[q * F + f];
+        // Up to 8 outputs at a time, their sums side by side (independent chains of additions), then each summed
+        // across its lanes by sum8_each, in sum8's order.
         for (index_t j = 0; j < S; ++j) {
           const T* hj = c.head_input(k, S * fin) + j * fin;
-          for (index_t f = 0; f < F; ++f) {
-            const T* wf = ws.weights_t2.data() + f * fin;
-            Vec8<T> acc = {};
-            for (index_t q = 0; q < fin; q += 8) acc += load8(hj + q) * load8(wf + q);
-            c.g[(k * S + j) * F + f] = sum8<T>(acc);
+          for (index_t f0 = 0; f0 < F; f0 += 8) {
+            const index_t count = std::min<index_t>(8, F - f0);
+            Vec8<T> acc[8] = {};
+            for (index_t q = 0; q < fin; q += 8) {
+              const Vec8<T> h = load8(hj + q);
+              for (index_t m = 0; m < count; ++m) acc[m] += h * load8(ws.weights_t2.data() + (f0 + m) * fin + q);
+            }
+            const Vec8<T> sums = sum8_each<T>(acc);
+            for (index_t m = 0; m < count; ++m) c.g[(k * S + j) * F + f0 + m] = sums[m];
           }
         }
         continue;
@@ -852,7 +864,7 @@ void first_layer_backward_softmax(const Problem& p, Workspace<T>& ws) {
 }
 
 template <typename T>
-void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W);
+void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W, bool by_feature);
 
 // The backward pass of the paper's first layer, its 8 heads at once along each edge and each source (g, g dropped
 // and ∂L/∂g by source, [S, 64]; α and ∂L/∂α by edge, [E, 8]): ∂L/∂out through ELU and the bias; the aggregation's
@@ -942,7 +954,7 @@ void first_layer_backward(const Problem& p, const LayerParams<T>& w, const T* gr
   }
 
   GAT_NEXT_PHASE(timer, kStepBackXW);
-  first_layer_weight_grad(p, c, ws, g.W);
+  first_layer_weight_grad(p, c, ws, g.W, g.W_by_feature);
 }
 
 // Layer `l` backward for one replica: `grad_output` is ∂L/∂output; accumulates into `g` and, for layer 2,
@@ -1111,7 +1123,7 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
 // scatter along x's rows would read and write it once per entry (and first zero and then transpose it all).
 // The terms are added in the same order either way (rows ascending), so the sums are the same to the bit.
 template <typename T>
-void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W) {
+void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W, bool by_feature) {
   const index_t fin = p.f_in;
   const bool dropout = !c.alpha_mask.empty();
   const T* x = static_cast<const T*>(p.x_val);
@@ -1129,7 +1141,7 @@ void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace
         for (int k = 0; k < 8; ++k) acc[k] += x[e] * load8(dgj + k * 8);
       }
     }
-    for (int k = 0; k < 8; ++k) store8(grad_W + (k * fin + q) * 8, acc[k]);
+    for (int k = 0; k < 8; ++k) store8(grad_W + (by_feature ? q * 64 + k * 8 : (k * fin + q) * 8), acc[k]);
   }
 }
 
@@ -1184,20 +1196,20 @@ void loss_and_accuracy(const Problem& p, const T* logits, T* loss, double* accur
 }
 
 template <typename T>
-LayerParams<T> layer_params(const Problem& p, int l, void* const* params, index_t r) {
+LayerParams<T> layer_params(const Problem& p, int l, void* const* params, index_t r, bool W_by_feature = false) {
   const T* v[kParams];
   for (int i = 0; i < kParams; ++i) v[i] = static_cast<const T*>(params[l * kParams + i]) + r * param_numel(p, l, i);
-  return {v[0], v[1], v[2], v[3], v[4], v[5]};
+  return {v[0], v[1], v[2], v[3], v[4], v[5], W_by_feature && l == 0};
 }
 
 template <typename T>
-LayerGrads<T> layer_grads(const Problem& p, int l, T* base) {
+LayerGrads<T> layer_grads(const Problem& p, int l, T* base, bool W_by_feature = false) {
   T* v[kParams];
   for (int i = 0; i < kParams; ++i) {
     v[i] = base;
     base += param_numel(p, l, i);
   }
-  return {v[0], v[1], v[2], v[3], v[4], v[5]};
+  return {v[0], v[1], v[2], v[3], v[4], v[5], W_by_feature && l == 0};
 }
 
 index_t replica_numel(const Problem& p) {
@@ -1209,11 +1221,12 @@ index_t replica_numel(const Problem& p) {
 
 template <typename T>
 void forward(const Problem& p, void* const* params, index_t r, bool training, const Dropout& drop, void* state,
-             Workspace<T>& ws) {
+             Workspace<T>& ws, bool W_by_feature = false) {
   const index_t T1 = p.block[0].targets, hidden = p.heads[0] * p.hidden[0];
   ws.hidden.resize(T1 * hidden);
   ws.logits.resize(p.block[1].targets * p.hidden[1]);
-  layer_forward_any<T>(p, 0, layer_params<T>(p, 0, params, r), nullptr, training, drop, state, ws, ws.hidden.data());
+  layer_forward_any<T>(p, 0, layer_params<T>(p, 0, params, r, W_by_feature), nullptr, training, drop, state, ws,
+                       ws.hidden.data());
   GAT_PHASE(timer, training ? kStepLayer2 : kValLayer2);
   layer_forward_any<T>(p, 1, layer_params<T>(p, 1, params, r), ws.hidden.data(), training, drop, state, ws,
                    ws.logits.data());
@@ -1240,9 +1253,9 @@ void adam_update(const Adam& a, float* param, float* exp_avg, float* exp_avg_sq,
 template <typename T>
 void train_replica(const Problem& p, index_t r, void* const* params, void* const* exp_avg, void* const* exp_avg_sq,
                    const Adam* adam, const Dropout& drop, T* loss, double* accuracy, T* logits_out,
-                   void* const* grads_out, Workspace<T>& ws) {
+                   void* const* grads_out, Workspace<T>& ws, bool W_by_feature = false) {
   void* state = drop.next != nullptr ? drop.states[r] : nullptr;
-  forward<T>(p, params, r, true, drop, state, ws);
+  forward<T>(p, params, r, true, drop, state, ws, W_by_feature);
   GAT_PHASE(timer, kStepLoss);
   const index_t M = p.block[1].targets, C = p.hidden[1];
   ws.grad_logits.resize(M * C);
@@ -1251,13 +1264,13 @@ void train_replica(const Problem& p, index_t r, void* const* params, void* const
 
   const index_t numel = replica_numel(p);
   ws.grads.resize(numel);  // every gradient is written whole by the backward passes
-  const LayerGrads<T> g0 = layer_grads<T>(p, 0, ws.grads.data());
+  const LayerGrads<T> g0 = layer_grads<T>(p, 0, ws.grads.data(), W_by_feature);
   const LayerGrads<T> g1 = layer_grads<T>(p, 1, g0.bias + param_numel(p, 0, 5));
   ws.grad_hidden.resize(p.block[0].targets * p.heads[0] * p.hidden[0]);
   GAT_NEXT_PHASE(timer, kStepBackLayer2);
   layer_backward_any<T>(p, 1, layer_params<T>(p, 1, params, r), ws.grad_logits.data(), ws, g1, ws.grad_hidden.data());
   GAT_NEXT_PHASE(timer, kUntimed);  // layer 1's backward pass times its own phases
-  layer_backward_any<T>(p, 0, layer_params<T>(p, 0, params, r), ws.grad_hidden.data(), ws, g0, nullptr);
+  layer_backward_any<T>(p, 0, layer_params<T>(p, 0, params, r, W_by_feature), ws.grad_hidden.data(), ws, g0, nullptr);
   GAT_NEXT_PHASE(timer, kStepAdam);
 
   const T* grad = ws.grads.data();
@@ -2064,10 +2077,13 @@ struct LaneRun : LaneRunBase {
 
 // The per-seed kernel (train_replica, the 8 heads as the 8 lanes) in the same native loop: every replica of the batch
 // trains from the first call, one epoch per call, each on one thread with its own workspace, and leaves the loop when
-// it stops. Parameters and Adam moments keep torch's layout [R, ...], so a replica computes here exactly what
-// gat.fused.FusedTrainer computes for it between Python's calls.
+// it stops. Parameters and Adam moments keep torch's layout [R, ...], except the paper's first W, kept by input
+// feature (LayerParams::W_by_feature: no transpose in each pass; Adam works element by element, so the layout
+// changes no value), so a replica computes here exactly what gat.fused.FusedTrainer computes for it between
+// Python's calls.
 struct SeedRun : LaneRunBase {
   LaneRunSpec spec;
+  bool W_by_feature;  // the paper's first layer (8 heads of 8): its W by input feature, [R, F_in, 64]
   std::vector<std::vector<float>> param, exp_avg, exp_avg_sq;  // kParams per layer, each [R, ...]
   std::vector<void*> param_of, exp_avg_of, exp_avg_sq_of;
   std::vector<SeedStopping> stopping;  // [R]
@@ -2077,8 +2093,8 @@ struct SeedRun : LaneRunBase {
   std::vector<std::unique_ptr<Workspace<float>>> workspaces;  // one per thread, kept between calls
 
   SeedRun(const LaneRunSpec& s, int threads)
-      : spec(s), stopping(s.replicas), loss_train(s.replicas), loss_val(s.replicas), acc_train(s.replicas),
-        acc_val(s.replicas) {
+      : spec(s), W_by_feature(s.train->heads[0] == 8 && s.train->hidden[0] == 8), stopping(s.replicas),
+        loss_train(s.replicas), loss_val(s.replicas), acc_train(s.replicas), acc_val(s.replicas) {
     for (int l = 0; l < 2; ++l)
       for (int i = 0; i < kParams; ++i) {
         const index_t n = param_numel(*s.train, l, i) * s.replicas;
@@ -2087,6 +2103,12 @@ struct SeedRun : LaneRunBase {
         exp_avg.emplace_back(n, 0.0f);
         exp_avg_sq.emplace_back(n, 0.0f);
       }
+    const index_t fin = s.train->f_in, numel = param_numel(*s.train, 0, 0);
+    std::vector<float> by_feature;
+    for (int64_t r = 0; W_by_feature && r < s.replicas; ++r) {  // [H, F_in, 8] -> [F_in, H·8], replica by replica
+      transpose_heads(param[0].data() + r * numel, 8, fin, 8, by_feature);
+      std::copy(by_feature.begin(), by_feature.end(), param[0].begin() + r * numel);
+    }
     for (int w = 0; w < 2 * kParams; ++w) {
       param_of.push_back(param[w].data());
       exp_avg_of.push_back(exp_avg[w].data());
@@ -2102,20 +2124,28 @@ struct SeedRun : LaneRunBase {
     const Adam adam{spec.lr, spec.beta1, spec.beta2, spec.eps, spec.weight_decay,
                     static_cast<double>(stopping[r].epoch + 1)};
     train_replica<float>(*spec.train, r, param_of.data(), exp_avg_of.data(), exp_avg_sq_of.data(), &adam, spec.drop,
-                         loss_train.data(), acc_train.data(), nullptr, nullptr, ws);
+                         loss_train.data(), acc_train.data(), nullptr, nullptr, ws, W_by_feature);
   }
 
   // Replica r's validation pass.
   void validate(int r, Workspace<float>& ws) {
     const Dropout none{nullptr, nullptr, 0, 0, 1.0f};
-    forward<float>(*spec.val, param_of.data(), r, false, none, nullptr, ws);
+    forward<float>(*spec.val, param_of.data(), r, false, none, nullptr, ws, W_by_feature);
     loss_and_accuracy<float>(*spec.val, ws.logits.data(), loss_val.data() + r, acc_val.data() + r, nullptr);
   }
 
   void save(int r) {
     for (int w = 0; w < 2 * kParams; ++w) {
       const index_t n = param_numel(*spec.train, w / kParams, w % kParams);
-      std::copy(param[w].begin() + r * n, param[w].begin() + (r + 1) * n, static_cast<float*>(spec.checkpoint[w]) + r * n);
+      const float* from = param[w].data() + r * n;
+      float* to = static_cast<float*>(spec.checkpoint[w]) + r * n;
+      if (w == 0 && W_by_feature) {  // [F_in, H·8] back to torch's [H, F_in, 8]
+        const index_t fin = spec.train->f_in;
+        for (index_t q = 0; q < fin; ++q)
+          for (int k = 0; k < 8; ++k) std::copy(from + q * 64 + k * 8, from + q * 64 + k * 8 + 8, to + (k * fin + q) * 8);
+      } else {
+        std::copy(from, from + n, to);
+      }
     }
   }
 
