@@ -17,18 +17,22 @@ START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 20.0
 
 
-def _started_at(pid: int) -> float | None:
+def _started_after_boot(pid: int) -> float | None:
+    """When `pid` started, in seconds after the machine booted. psutil's create_time is that plus the boot time as the
+    wall clock now puts it, so a step of the clock (a VM's clock set right, NTP) moves it; less the boot time read
+    the same way, the step cancels out."""
     import psutil
 
     try:
-        return psutil.Process(pid).create_time()
+        return psutil.Process(pid).create_time() - psutil.boot_time()
     except psutil.Error:
         return None
 
 
 def _record(state: State, name: str, pid: int) -> None:
     state.pids.mkdir(parents=True, exist_ok=True)
-    (state.pids / f"{name}.json").write_text(json.dumps({"pid": pid, "started_at": _started_at(pid)}) + "\n")
+    record = {"pid": pid, "started_after_boot": _started_after_boot(pid)}
+    (state.pids / f"{name}.json").write_text(json.dumps(record) + "\n")
 
 
 def recorded_pid(state: State, name: str) -> int | None:
@@ -38,13 +42,21 @@ def recorded_pid(state: State, name: str) -> int | None:
         if not pid_file.exists():
             return None
         pid = int(pid_file.read_text().split("\n", 1)[0])
-        return pid if _started_at(pid) is not None else None
+        return pid if _started_after_boot(pid) is not None else None
     record = state.pids / f"{name}.json"
     if not record.exists():
         return None
     recorded = json.loads(record.read_text())
-    started = _started_at(recorded["pid"])
-    return recorded["pid"] if started is not None and abs(started - (recorded["started_at"] or 0)) < 1 else None
+    started = _started_after_boot(recorded["pid"])
+    if started is None:
+        return None
+    if "started_after_boot" not in recorded:  # a record of an earlier version: the start time on the wall clock
+        import psutil
+
+        started, expected = started + psutil.boot_time(), recorded.get("started_at") or 0
+    else:
+        expected = recorded["started_after_boot"]
+    return recorded["pid"] if abs(started - expected) < 1 else None
 
 
 def _wait(condition: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
