@@ -511,7 +511,7 @@ void first_layer_attention(const Problem& p, const LayerParams<T>& w, bool train
     for (index_t e = begin; e < end; ++e) store8(alpha + e * 8, load8(alpha + e * 8) / total);
   }
 
-  GAT_NEXT_PHASE(timer, training ? kStepDropout : kValAggregate);
+  GAT_NEXT_PHASE(timer, kStepDropout);
   // Dropout on α, then on g, drawn head-major as ReplicaDropout draws them; α dropped, edge-major.
   const T* a_dropped = alpha;
   c.alpha_mask.resize(dropout ? 8 * E : 0);
@@ -534,7 +534,7 @@ void first_layer_attention(const Problem& p, const LayerParams<T>& w, bool train
   }
   const T* g_dropped = dropout ? c.g_dropped.data() : c.g.data();
 
-  GAT_NEXT_PHASE(timer, training ? kStepAggregate : kValAggregate);
+  GAT_NEXT_PHASE(timer, kStepAggregate);
   // out_i = Σ_j α_ij g_j + c, per head.
   c.pre.resize(8 * Tn * 8);
   for (index_t i = 0; i < Tn; ++i) {
@@ -788,7 +788,7 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
       }
     }
   }
-  GAT_PHASE(timer, !fast_first_layer<FC>(p, l) ? kUntimed : training ? kStepAggregate : kValAggregate);
+  GAT_PHASE(timer, fast_first_layer<FC>(p, l) ? kStepAggregate : kUntimed);
   if (concat) {  // ELU per head, heads concatenated: [T, H·F']
     for (index_t k = 0; k < H; ++k)
       for (index_t i = 0; i < Tn; ++i)
