@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 
 import psutil
 import pytest
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from pipeline_support import REPO, VENV_BIN, Pipeline, clean_env
 from team_support import TeamBackend
@@ -454,6 +455,55 @@ def test_an_equal_newcomer_never_displaces_the_champion(tmp_path: Path) -> None:
     client.set_registered_model_alias("gat-tie", CHAMPION, second.version)
     assert settle_champion(client, "gat-tie").version == first.version
     assert client.get_model_version_by_alias("gat-tie", CHAMPION).version == first.version
+
+
+class _RacedClient(MlflowClient):
+    """A client whose first set of the alias meets the race a server's store loses: another evaluation inserts
+    the alias (on `rival`, or not at all when None) between the store's check and its own insert, and the store
+    answers with the unique key's violation, as PostgreSQL did in CI."""
+
+    def __init__(self, uri: str, rival: str | None) -> None:
+        super().__init__(uri)
+        self.rival, self.raced = rival, False
+
+    def set_registered_model_alias(self, name: str, alias: str, version: str) -> None:
+        if not self.raced:
+            self.raced = True
+            if self.rival is not None:
+                super().set_registered_model_alias(name, alias, self.rival)
+            raise MlflowException('duplicate key value violates unique constraint "registered_model_alias_pk"')
+        super().set_registered_model_alias(name, alias, version)
+
+
+@pytest.mark.parametrize("rival_is_best", [False, True])
+def test_an_alias_inserted_by_a_racing_evaluation_is_settled_not_a_failure(tmp_path: Path,
+                                                                           rival_is_best: bool) -> None:
+    from stages.support.champion import settle_champion
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (model_uri, run_id), = _logged_models(uri, 1)
+    client = MlflowClient(uri)
+    client.create_registered_model("gat-raced")
+    source = client.get_logged_model(model_uri.removeprefix("models:/")).artifact_location
+    worse, best = (client.create_model_version("gat-raced", source, run_id, tags={
+        "val_acc": val_acc, "artifacts_sha256": "0" * 64, MODEL_FORMAT_TAG: MODEL_FORMAT}) for val_acc in ("0.7", "0.8"))
+    raced = _RacedClient(uri, best.version if rival_is_best else worse.version)
+    assert settle_champion(raced, "gat-raced").version == best.version
+    assert raced.raced and client.get_model_version_by_alias("gat-raced", CHAMPION).version == best.version
+
+
+def test_a_failed_alias_set_that_no_one_else_made_is_raised(tmp_path: Path) -> None:
+    from stages.support.champion import settle_champion
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (model_uri, run_id), = _logged_models(uri, 1)
+    client = MlflowClient(uri)
+    client.create_registered_model("gat-refused")
+    source = client.get_logged_model(model_uri.removeprefix("models:/")).artifact_location
+    client.create_model_version("gat-refused", source, run_id, tags={
+        "val_acc": "0.8", "artifacts_sha256": "0" * 64, MODEL_FORMAT_TAG: MODEL_FORMAT})
+    with pytest.raises(MlflowException, match="duplicate key"):
+        settle_champion(_RacedClient(uri, rival=None), "gat-refused")
 
 
 def test_an_older_pipelines_champion_gives_way_and_is_never_loaded(tmp_path: Path,

@@ -201,6 +201,18 @@ def _best(versions: Mapping[str, float]) -> str:
     return max(versions, key=lambda number: (versions[number], -int(number)))
 
 
+def _set_champion(client: MlflowClient, model: str, version: str) -> None:
+    """Point `champion` at `version`. A server's store sets an alias by reading whether it exists and then inserting
+    or updating it, so two evaluations that both found no alias both insert, and the second fails on the table's
+    unique key. That failure means another evaluation set the alias meanwhile: settle_champion's next round reads
+    it and sets it again if it is not the best. Any other failure (the alias still missing) is raised."""
+    try:
+        client.set_registered_model_alias(model, CHAMPION, version)
+    except MlflowException:
+        if _champion(client, model) is None:
+            raise
+
+
 def settle_champion(client: MlflowClient, model: str):
     """Point `champion` at the best registered version, safely against evaluations registering at the same time.
 
@@ -214,7 +226,7 @@ def settle_champion(client: MlflowClient, model: str):
         best = _best(versions)
         current = _champion(client, model)
         if current is None or current.version != best:
-            client.set_registered_model_alias(model, CHAMPION, best)
+            _set_champion(client, model, best)
         seen, versions = versions, _pipeline_versions(client, model)
         current = _champion(client, model)
         if versions == seen and current is not None and current.version == best:
