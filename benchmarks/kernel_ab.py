@@ -2,13 +2,17 @@
 
     python -m benchmarks.kernel_ab --against dbe43d7
     python -m benchmarks.kernel_ab --against HEAD --extra-flags=-ffp-contract=fast
+    python -m benchmarks.kernel_ab --against f5c84bc --native
 
 These shared machines run 1.3 to 1.7 times faster on some days than on others, so a kernel is compared with an
 older one in the same run: the older commit's gat/csrc/fused.cpp (`git show`) is compiled with this checkout's flags
-into a temporary folder, both libraries are loaded, and each times Cora's training step and validation pass of
-`--seeds` seeds on one thread (gat.fused.FusedTrainer: the per-seed kernel, one call per step), in alternating
-blocks of `--block` calls. Prints, per seed, the median and range over the blocks and the ratio of this checkout's
-median to the older one's. Nothing is written in the repository.
+into a temporary folder, both libraries are loaded, and each times Cora's paper model for `--seeds` seeds on one
+thread in alternating blocks of `--block` calls. The order of the two turns swaps every round (A B, B A, A B, ...),
+so that neither kernel is always the one timed first after the other. By default the per-seed kernel between
+Python's calls (gat.fused.FusedTrainer: a training step and a validation pass, one call each); with `--native`, the
+native loop `reproduce` trains with (gat.fused.SeedLanes with lanes of 1: whole epochs, dropout masks and early
+stopping included; no seed stops early here). Prints, per seed, the median and range over the blocks and the ratio
+of this checkout's median to the older one's. Nothing is written in the repository.
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ def build_revision(revision: str, folder: Path, extra_flags: Sequence[str] = ())
     return build_aside(source, folder / "fused.so", extra_flags, f"{revision}'s fused.cpp")
 
 
+def turns(names: Sequence[str], round_: int) -> list[str]:
+    """The order in which the kernels take their turns in round `round_`: as given in even rounds, reversed in odd
+    ones (A B, B A, ...), so that a bias toward the first-timed (or the second-timed) turn falls on both alike."""
+    return list(names) if round_ % 2 == 0 else list(reversed(names))
+
+
 def time_kernels(cora: Graph, libraries: dict[str, Any], seeds: int, rounds: int,
                  block: int) -> dict[str, dict[str, list[float]]]:
     """Milliseconds per seed of a training step and of a validation pass, one sample per block, for each library."""
@@ -78,8 +88,9 @@ def time_kernels(cora: Graph, libraries: dict[str, Any], seeds: int, rounds: int
             trainer.step(noise)
             trainer.validate()
     samples: dict[str, dict[str, list[float]]] = {name: {"step": [], "validation": []} for name in libraries}
-    for _ in range(rounds):
-        for name, (trainer, noise) in trainers.items():
+    for round_ in range(rounds):
+        for name in turns(list(trainers), round_):
+            trainer, noise = trainers[name]
             start = time.perf_counter()
             for _ in range(block):
                 trainer.step(noise)
@@ -92,12 +103,51 @@ def time_kernels(cora: Graph, libraries: dict[str, Any], seeds: int, rounds: int
     return samples
 
 
+def time_native_loops(cora: Graph, libraries: dict[str, Any], seeds: int, rounds: int,
+                      block: int) -> dict[str, dict[str, list[float]]]:
+    """Milliseconds per seed-epoch of the native loop (SeedLanes, lanes of 1, one thread: a tick is one epoch of
+    every seed), one sample per block of `block` ticks, for each library. Early stopping's patience is the run's
+    length, so every seed trains in every tick."""
+    graph = GraphTensors.from_graph(cora)
+    paper = protocol()
+    train_view, val_view = (NodeView.of(graph, nodes, 2) for nodes in (graph.train_idx, graph.val_idx))
+    epochs = (rounds + 1) * block + 1
+    loops = {}
+    for name, lib in libraries.items():
+        model = GAT(paper.model, graph.x.num_features, graph.num_classes, tuple(range(seeds)))
+        noise = ReplicaDropout(tuple(range(seeds)), paper.model.dropout)
+        try:
+            loops[name] = fused.SeedLanes(model, paper.optim.lr, paper.optim.weight_decay, epochs, epochs,
+                                          train_view, val_view, noise, lanes=1, threads=1, lib=lib)
+        except fused.FusedUnavailable as error:
+            raise StageError(f"the kernel {name!r} has no native loop of lanes of 1 ({error}): compare it without "
+                             "--native") from None
+    try:
+        for loop in loops.values():  # warm: the workspaces allocated, the data in cache
+            for _ in range(block):
+                loop.tick()
+        samples: dict[str, dict[str, list[float]]] = {name: {"native loop's epoch": []} for name in libraries}
+        for round_ in range(rounds):
+            for name in turns(list(loops), round_):
+                start = time.perf_counter()
+                for _ in range(block):
+                    loops[name].tick()
+                samples[name]["native loop's epoch"].append((time.perf_counter() - start) / block / seeds * 1e3)
+        return samples
+    finally:
+        for loop in loops.values():
+            loop.close()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", required=True, help="the commit whose fused.cpp to compare with")
     parser.add_argument("--seeds", type=int, default=4, help="seeds per call (a reproduce batch's)")
     parser.add_argument("--rounds", type=int, default=15, help="blocks per kernel, taking turns")
     parser.add_argument("--block", type=int, default=20, help="calls per block")
+    parser.add_argument("--native", action="store_true",
+                        help="time whole epochs of the native loop (SeedLanes, lanes of 1) instead of the step and "
+                             "the validation pass between Python's calls")
     parser.add_argument("--extra-flags", default="",
                         help="compiler flags added to the older build's, e.g. --against HEAD "
                              "--extra-flags=-ffp-contract=fast: what contracting into FMAs would buy")
@@ -110,14 +160,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         current = fused.library()
         with tempfile.TemporaryDirectory(prefix="gat-kernel-ab-") as folder:
             older = fused.load(build_revision(args.against, Path(folder), extra_flags))
-            samples = time_kernels(load_graph(default_data_dir()), {"this checkout": current, older_name: older},
-                                   args.seeds, args.rounds, args.block)
+            timing = time_native_loops if args.native else time_kernels
+            samples = timing(load_graph(default_data_dir()), {"this checkout": current, older_name: older},
+                             args.seeds, args.rounds, args.block)
     except (StageError, fused.FusedUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     finally:
         torch.set_num_threads(threads)
-    for what in ("step", "validation"):
+    for what in samples["this checkout"]:
         medians = {name: statistics.median(values[what]) for name, values in samples.items()}
         for name, values in samples.items():
             print(f"{what} ms per seed, {name}: {medians[name]:.3f} [{min(values[what]):.3f}-{max(values[what]):.3f}]")

@@ -524,6 +524,7 @@ class SeedLanes:
         self.epoch_of = np.zeros(R, dtype=np.int64)
         self._init_pointers, self._checkpoint_pointers = _pointers(self.init), _pointers(self.checkpoint)
         drop, self._states = _dropout(noise)
+        self._noise = noise  # the kernel draws from its generators' states, which must outlive the run
         self._spec = _LaneRunSpec(
             ctypes.addressof(self.train_plan.problem), ctypes.addressof(self.val_plan.problem), R,
             ctypes.addressof(self._init_pointers), ctypes.addressof(self._checkpoint_pointers), drop,

@@ -494,6 +494,33 @@ def test_the_lane_metrics_are_the_per_seed_loops(small_graph: GraphTensors, monk
     assert history(lanes) == history(str(fused.PYTHON_LOOP))
 
 
+def test_a_lane_run_keeps_its_dropout_generators_alive(small_graph: GraphTensors) -> None:
+    """The kernel draws from the generators' states by address: a run whose caller dropped its ReplicaDropout (as
+    benchmarks.kernel_ab's loop over kernels does) still draws each seed's masks, as a run whose caller kept it."""
+    import gc
+
+    import numpy as np
+
+    from gat.fused_check import lanes_loop
+
+    def started() -> fused.SeedLanes:
+        model = GAT(SMALL, small_graph.x.num_features, small_graph.num_classes, SEEDS)
+        return fused.SeedLanes(model, 0.005, 5e-4, 30, 5, NodeView.of(small_graph, small_graph.train_idx, 2),
+                               NodeView.of(small_graph, small_graph.val_idx, 2),
+                               ReplicaDropout(SEEDS, SMALL.dropout), lanes=1)
+
+    run = started()
+    gc.collect()
+    others = [np.random.Generator(np.random.PCG64(seed)) for seed in range(100, 164)]  # memory freed, used again
+    while run.tick():
+        pass
+    run.close()
+    checkpoint, epochs, best_epochs = lanes_loop(fused.library(), small_graph, SMALL, SEEDS, 30, 5, lanes=1)
+    assert run.epochs.tolist() == epochs and run.best_epoch.tolist() == best_epochs and len(others) == 64
+    for kept, dropped in zip(checkpoint, run.checkpoint):
+        assert torch.equal(kept, dropped)
+
+
 def test_a_bad_lane_width_is_one_line(monkeypatch) -> None:
     from stages.support.params import StageError, check_lanes_variable
 
@@ -540,6 +567,24 @@ def test_the_kernel_comparison_times_both_libraries_in_turn(cora_graph: Graph) -
     for values in samples.values():
         assert len(values["step"]) == len(values["validation"]) == 3
         assert min(values["step"] + values["validation"]) > 0
+
+
+def test_the_kernels_take_turns_first_in_alternate_rounds() -> None:
+    from benchmarks import kernel_ab
+
+    assert [kernel_ab.turns(["new", "old"], round_) for round_ in range(4)] == [
+        ["new", "old"], ["old", "new"], ["new", "old"], ["old", "new"]]
+
+
+def test_the_native_loop_comparison_times_whole_epochs_of_every_seed(cora_graph: Graph) -> None:
+    from benchmarks import kernel_ab
+
+    lib = fused.library()
+    samples = kernel_ab.time_native_loops(cora_graph, {"new": lib, "old": lib}, seeds=2, rounds=3, block=2)
+    assert set(samples) == {"new", "old"}
+    for values in samples.values():
+        assert list(values) == ["native loop's epoch"] and len(values["native loop's epoch"]) == 3
+        assert min(values["native loop's epoch"]) > 0
 
 
 def test_a_revision_without_the_kernel_is_one_line(capsys) -> None:
