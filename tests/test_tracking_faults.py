@@ -16,7 +16,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import psutil
 import pytest
@@ -440,18 +440,31 @@ def test_concurrent_evaluations_leave_the_champion_on_the_best_model_in_sqlite(t
     assert outcomes == ["right"] * 2, outcomes
 
 
+def _new_registered_model(tmp_path: Path, name: str) -> tuple[str, MlflowClient, Callable[..., Any]]:
+    """A SQLite store in tmp_path with one logged model and the registered model `name`: its URI, a client, and
+    `version(val_acc, pipeline=True)`, which registers the logged model again as a version of `name` with that
+    val_acc (and, from the pipeline, its artifacts_sha256 and model_format tags)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (model_uri, run_id), = _logged_models(uri, 1)
+    client = MlflowClient(uri)
+    client.create_registered_model(name)
+    source = client.get_logged_model(model_uri.removeprefix("models:/")).artifact_location
+
+    def version(val_acc: str, pipeline: bool = True) -> Any:
+        tags = {"val_acc": val_acc, "artifacts_sha256": "0" * 64, MODEL_FORMAT_TAG: MODEL_FORMAT} if pipeline else {
+            "val_acc": val_acc}
+        return client.create_model_version(name, source, run_id, tags=tags)
+
+    return uri, client, version
+
+
 def test_an_equal_newcomer_never_displaces_the_champion(tmp_path: Path) -> None:
     """Ties go to the oldest version, also when the alias was set on a newer one by a racing evaluation."""
     from stages.support.champion import settle_champion
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    (model_uri, run_id), = _logged_models(uri, 1)
-    client = MlflowClient(uri)
-    client.create_registered_model("gat-tie")
-    source = client.get_logged_model(model_uri.removeprefix("models:/")).artifact_location
-    tags = {"val_acc": "0.8", "artifacts_sha256": "0" * 64, MODEL_FORMAT_TAG: MODEL_FORMAT}
-    first, second = (client.create_model_version("gat-tie", source, run_id, tags=tags) for _ in range(2))
-    client.create_model_version("gat-tie", source, run_id, tags={"val_acc": "0.9"})  # not the pipeline's
+    uri, client, version = _new_registered_model(tmp_path, "gat-tie")
+    first, second = version("0.8"), version("0.8")
+    version("0.9", pipeline=False)  # not the pipeline's
     client.set_registered_model_alias("gat-tie", CHAMPION, second.version)
     assert settle_champion(client, "gat-tie").version == first.version
     assert client.get_model_version_by_alias("gat-tie", CHAMPION).version == first.version
@@ -480,13 +493,8 @@ def test_an_alias_inserted_by_a_racing_evaluation_is_settled_not_a_failure(tmp_p
                                                                            rival_is_best: bool) -> None:
     from stages.support.champion import settle_champion
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    (model_uri, run_id), = _logged_models(uri, 1)
-    client = MlflowClient(uri)
-    client.create_registered_model("gat-raced")
-    source = client.get_logged_model(model_uri.removeprefix("models:/")).artifact_location
-    worse, best = (client.create_model_version("gat-raced", source, run_id, tags={
-        "val_acc": val_acc, "artifacts_sha256": "0" * 64, MODEL_FORMAT_TAG: MODEL_FORMAT}) for val_acc in ("0.7", "0.8"))
+    uri, client, version = _new_registered_model(tmp_path, "gat-raced")
+    worse, best = version("0.7"), version("0.8")
     raced = _RacedClient(uri, best.version if rival_is_best else worse.version)
     assert settle_champion(raced, "gat-raced").version == best.version
     assert raced.raced and client.get_model_version_by_alias("gat-raced", CHAMPION).version == best.version
@@ -495,13 +503,8 @@ def test_an_alias_inserted_by_a_racing_evaluation_is_settled_not_a_failure(tmp_p
 def test_a_failed_alias_set_that_no_one_else_made_is_raised(tmp_path: Path) -> None:
     from stages.support.champion import settle_champion
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    (model_uri, run_id), = _logged_models(uri, 1)
-    client = MlflowClient(uri)
-    client.create_registered_model("gat-refused")
-    source = client.get_logged_model(model_uri.removeprefix("models:/")).artifact_location
-    client.create_model_version("gat-refused", source, run_id, tags={
-        "val_acc": "0.8", "artifacts_sha256": "0" * 64, MODEL_FORMAT_TAG: MODEL_FORMAT})
+    uri, _, version = _new_registered_model(tmp_path, "gat-refused")
+    version("0.8")
     with pytest.raises(MlflowException, match="duplicate key"):
         settle_champion(_RacedClient(uri, rival=None), "gat-refused")
 
