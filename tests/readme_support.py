@@ -7,12 +7,15 @@ from it, and a shell that runs them one by one as a user's terminal would.
   command ending in `&` runs in the background and `stop` ends it, with every process it started, by PID. A test
   substitutes only what it must (a port, a placeholder such as `<the group's git remote>`), through `replace`.
 - `process_tree`, `stop_all`: a process and its descendants; SIGTERM, then SIGKILL, for a list of them.
+- `unclaimable_ports`: free ports for the README's fixed ones, below the kernel's ephemeral range.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 import re
+import socket
 import subprocess
 from pathlib import Path
 
@@ -77,6 +80,25 @@ def stop_all(processes: list[psutil.Process], timeout: float = 20.0) -> None:
     psutil.wait_procs(alive, timeout=timeout)
 
 
+def unclaimable_ports(count: int) -> list[int]:
+    """`count` distinct ports that no one listens on now, below the kernel's ephemeral range
+    (/proc/sys/net/ipv4/ip_local_port_range). A port of that range (what binding port 0 gives) can be taken between
+    the pick and the server's start, as the local end of any outgoing connection; a Dask cluster's processes make
+    many. Below the range only another explicit bind can take it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    chosen: list[int] = []
+    for port in random.sample(range(1024, low), min(200, low - 1024)):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        chosen.append(port)
+        if len(chosen) == count:
+            return chosen
+    raise AssertionError(f"fewer than {count} free ports below {low}")
+
+
 class ReadmeShell:
     """Runs README commands as written, from `root`, as one shell session would: after a command, its `cd` and
     `source` parts (`git clone ... && cd x`, `source .team/env`) apply to every later one, and `export` sets the
@@ -91,6 +113,7 @@ class ReadmeShell:
         self.wrap = list(wrap or [])
         self.prefix = ""
         self.background: list[subprocess.Popen] = []
+        self.logs: dict[int, Path] = {}  # a background command's PID: where its stderr goes
 
     def line(self, command: str) -> str:
         for readme, ours in self.replace.items():
@@ -105,10 +128,12 @@ class ReadmeShell:
             self.env[name] = value
             return None
         if command.endswith("&"):
-            log = (self.folder / f"background-{len(self.background)}.log").open("w")
-            self.background.append(subprocess.Popen([*self.wrap, "bash", "-c", self.prefix + command.removesuffix("&")],
-                                                    cwd=self.root, env=self.env | (env or {}),
-                                                    stdout=subprocess.DEVNULL, stderr=log))
+            path = self.folder / f"background-{len(self.logs)}.log"
+            with path.open("w") as log:
+                self.background.append(subprocess.Popen(
+                    [*self.wrap, "bash", "-c", self.prefix + command.removesuffix("&")], cwd=self.root,
+                    env=self.env | (env or {}), stdout=subprocess.DEVNULL, stderr=log))
+            self.logs[self.background[-1].pid] = path
             return None
         done = subprocess.run([*self.wrap, "bash", "-c", self.prefix + command], cwd=self.root,
                               env=self.env | (env or {}), capture_output=True, text=True, timeout=timeout)
@@ -117,6 +142,12 @@ class ReadmeShell:
             if part.startswith(("cd ", "source ")):
                 self.prefix += part + " && "
         return done
+
+    def background_logs(self, lines: int = 20) -> str:
+        """The last `lines` of every background command's stderr, for a failing assertion's message."""
+        return "\n".join(f"--- {popen.args[-1]} (exit {popen.poll()}):\n"
+                         + "\n".join(self.logs[popen.pid].read_text(errors="replace").splitlines()[-lines:])
+                         for popen in self.background)
 
     def stop(self, popens: list[subprocess.Popen] | None = None) -> None:
         chosen = self.background if popens is None else popens

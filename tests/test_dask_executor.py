@@ -36,7 +36,7 @@ import psutil
 import pytest
 from conftest import WITH_DEFAULT_SIGNALS
 from pipeline_support import TINY, VENV_BIN, Pipeline, clean_env
-from readme_support import STAGE_S, ReadmeShell, process_tree, readme_blocks, stop_all
+from readme_support import STAGE_S, ReadmeShell, process_tree, readme_blocks, stop_all, unclaimable_ports
 
 from stages.support.store import COMPARE_EXPERIMENT, REPRODUCE_EXPERIMENT
 
@@ -515,18 +515,13 @@ def _readme_dask_blocks() -> list[list[str]]:
     return readme_blocks("## Scaling out: seeds and sweeps on a Dask cluster")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class DaskShell(ReadmeShell):
     """A ReadmeShell where the README's scheduler and dashboard ports are free ones, so that nothing clashes with
     another test."""
 
     def __init__(self, root: Path, env: dict[str, str], folder: Path) -> None:
-        super().__init__(root, env, folder, replace={"8786": str(_free_port()), "8787": str(_free_port())})
+        scheduler, dashboard = unclaimable_ports(2)
+        super().__init__(root, env, folder, replace={"8786": str(scheduler), "8787": str(dashboard)})
 
     def line(self, command: str) -> str:
         if command.startswith("dask scheduler") or " dask worker " in f" {command}":
@@ -539,8 +534,22 @@ class DaskShell(ReadmeShell):
         return f"tcp://127.0.0.1:{self.replace['8786']}"
 
     def wait_for_workers(self, count: int) -> None:
-        with distributed.Client(self.address, timeout=START_S, set_as_default=False) as client:
-            client.wait_for_workers(count, timeout=START_S)
+        """Until `count` workers are on the scheduler. A background command that ended (a scheduler that could not
+        start) fails at once, and every failure shows the background commands' logs."""
+        port = int(self.replace["8786"])
+
+        def listening() -> bool:
+            assert all(popen.poll() is None for popen in self.background), self.background_logs()
+            with socket.socket() as probe:
+                return probe.connect_ex(("127.0.0.1", port)) == 0
+
+        assert _poll(listening, START_S, 0.5), f"nothing listens on {self.address}\n{self.background_logs()}"
+        try:
+            with distributed.Client(self.address, timeout=START_S, set_as_default=False) as client:
+                client.wait_for_workers(count, timeout=START_S)
+        except (OSError, TimeoutError) as error:
+            raise AssertionError(f"{count} workers did not join {self.address}: {error}\n"
+                                 f"{self.background_logs()}") from error
 
 
 @pytest.fixture
