@@ -521,6 +521,53 @@ def test_a_lane_run_keeps_its_dropout_generators_alive(small_graph: GraphTensors
         assert torch.equal(kept, dropped)
 
 
+def _draw_words(drop: object, replica: int, count: int) -> tuple[int, list[int]]:
+    """fused.cpp's gat_draw_words (a hook for these tests, not in gat.fused.load's list, which older commits' kernels
+    must pass for benchmarks.kernel_ab): whether the words came inline, and the words."""
+    import ctypes
+
+    import numpy as np
+
+    draw = fused.library().gat_draw_words
+    draw.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    words = np.zeros(count, np.uint64)
+    return draw(ctypes.addressof(drop), replica, count, words.ctypes.data), words.tolist()
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 256, 1001])  # the first word alone; each chain last; long runs
+def test_the_kernel_draws_numpys_pcg64_words_without_a_call_per_word(count: int) -> None:
+    """The masks' words come from PCG64 stepped inline (two chains of every other state): the same words as numpy's
+    random_raw on a twin generator, the generator left in the same state, the other replica's untouched."""
+    noise, twin = ReplicaDropout([3, 7], 0.6), ReplicaDropout([3, 7], 0.6)
+    drop, _states = fused._dropout(noise)
+    inline, words = _draw_words(drop, 1, count)
+    assert inline == 1 and words == twin.generators[1].bit_generator.random_raw(count).tolist()
+    assert noise.generators[1].bit_generator.state == twin.generators[1].bit_generator.state
+    assert noise.generators[0].bit_generator.state == twin.generators[0].bit_generator.state
+
+
+def test_a_generator_whose_words_the_inline_step_does_not_give_is_called_word_by_word() -> None:
+    """A next_uint64 whose first word differs from the inline step's (here a counter behind a PCG64-shaped state)
+    gives every word itself: the kernel never draws a stream it has not checked."""
+    import ctypes
+
+    import numpy as np
+
+    calls = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p)
+    def counter(_state: int) -> int:
+        calls.append(len(calls))
+        return 1000 + len(calls)
+
+    integers = np.zeros(4, np.uint64)  # {state, inc} as two 128-bit integers
+    integers[2] = 1
+    state = (ctypes.c_void_p * 2)(integers.ctypes.data, 0)  # {the integers' address, has_uint32 and uinteger}
+    states = (ctypes.c_void_p * 1)(ctypes.addressof(state))
+    drop = fused._Dropout(ctypes.cast(counter, ctypes.c_void_p).value, ctypes.addressof(states), 153, 0, 2.5)
+    assert _draw_words(drop, 0, 5) == (0, [1001, 1002, 1003, 1004, 1005]) and len(calls) == 5
+
+
 def test_a_bad_lane_width_is_one_line(monkeypatch) -> None:
     from stages.support.params import StageError, check_lanes_variable
 

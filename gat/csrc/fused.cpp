@@ -138,6 +138,68 @@ index_t param_numel(const Problem& p, int layer, int which) {
   }
 }
 
+// numpy's PCG64 (pcg_setseq_128_xsl_rr_64_random_r) inline: a step of the 128-bit LCG, then the XSL-RR output of
+// the new state. A bit generator's state, as numpy lays it out (numpy/random/src/pcg64/pcg64.h), points to the two
+// 128-bit integers; gat/fused.py passes PCG64 generators only.
+struct Pcg64Integers {
+  unsigned __int128 state, inc;
+};
+struct NumpyPcg64State {
+  Pcg64Integers* pcg;
+  int has_uint32;
+  uint32_t uinteger;
+};
+
+constexpr unsigned __int128 kPcg64Multiplier =
+    static_cast<unsigned __int128>(0x2360ED051FC65DA4ull) << 64 | 0x4385DF649FCCF645ull;
+
+// The state `steps` ahead: state · multiplier + increment, where (multiplier, increment) = (M, inc) for one step and
+// (M², (M + 1) inc) for two. Then the XSL-RR output of the new state.
+inline uint64_t pcg64_advance(unsigned __int128& state, unsigned __int128 multiplier, unsigned __int128 increment) {
+  state = state * multiplier + increment;
+  const uint64_t xored = static_cast<uint64_t>(state >> 64) ^ static_cast<uint64_t>(state);
+  const unsigned rotation = static_cast<unsigned>(state >> 122);
+  return (xored >> rotation) | (xored << ((64 - rotation) & 63));
+}
+
+// `count` words of the replica's stream into `out` (8 bytes each, unaligned), as `count` calls of d.next would give
+// them, without a call per word: the states stay in registers, in two chains of every other state (s_i and s_{i+1},
+// each 2 steps at a time), so two multiplies run side by side; the words and the final state are the same. The
+// first word comes from d.next itself, and only if the inline step gave the same word and state do the others take
+// it (else each is a call, as before). Returns whether they did.
+inline bool draw_words(const Dropout& d, void* state, index_t count, uint8_t* out) {
+  if (count == 0) return true;
+  Pcg64Integers* pcg = static_cast<NumpyPcg64State*>(state)->pcg;
+  unsigned __int128 before = pcg->state, after = before;
+  const unsigned __int128 inc = pcg->inc;
+  const uint64_t expected = pcg64_advance(after, kPcg64Multiplier, inc);
+  const uint64_t first = d.next(state);
+  std::memcpy(out, &first, 8);
+  if (first != expected || pcg->state != after) {
+    for (index_t w = 1; w < count; ++w) {
+      const uint64_t word = d.next(state);
+      std::memcpy(out + 8 * w, &word, 8);
+    }
+    return false;
+  }
+  // Word w is the output of s_{w+1}; `before` is s_0 and `after` s_1: their chains give words 1, 3, ... and 2, 4, ...
+  const unsigned __int128 m2 = kPcg64Multiplier * kPcg64Multiplier, c2 = kPcg64Multiplier * inc + inc;
+  index_t w = 1;
+  for (; w + 2 <= count; w += 2) {
+    const uint64_t a = pcg64_advance(before, m2, c2), b = pcg64_advance(after, m2, c2);
+    std::memcpy(out + 8 * w, &a, 8);
+    std::memcpy(out + 8 * w + 8, &b, 8);
+  }
+  if (w < count) {
+    const uint64_t a = pcg64_advance(before, m2, c2);
+    std::memcpy(out + 8 * w, &a, 8);
+    pcg->state = before;
+  } else {
+    pcg->state = after;
+  }
+  return true;
+}
+
 // The masks of ReplicaDropout.keep for `count` elements: an element is kept when a uniform 32-bit u is at
 // least the threshold; u's top byte decides unless it ties the threshold's, and the ties then draw one
 // 64-bit word each, in order, whose low 24 bits decide. The top bytes come 8 to a word, little-endian.
@@ -151,9 +213,13 @@ void draw_mask(const Dropout& d, void* state, index_t count, T* mask, std::vecto
   const __m256i top = _mm256_set1_epi32(d.threshold_top);
   const __m256 scales = _mm256_set1_ps(d.scale);
 #endif
+  constexpr index_t kChunk = 256;  // words drawn at a time
+  uint64_t words[kChunk];
   index_t base = 0;
   for (; base + 8 <= count; base += 8) {
-    const uint64_t word = d.next(state);
+    const index_t w = base / 8 % kChunk;
+    if (w == 0) draw_words(d, state, std::min(kChunk, count / 8 - base / 8), reinterpret_cast<uint8_t*>(words));
+    const uint64_t word = words[w];
 #if defined(__AVX2__)
     if constexpr (std::is_same_v<T, float>) {  // the 8 bytes widened, compared and turned into 8 floats at once
       const __m256i bytes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(word)));
@@ -188,9 +254,10 @@ inline void draw_kept_bytes(const Dropout& d, void* state, index_t count, uint8_
   constexpr uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
   const uint64_t pattern = ones * d.threshold_top;
   const index_t words = (count + 7) / 8;
+  draw_words(d, state, words, out);  // little-endian: byte b of word w is out[8 w + b]
   for (index_t w = 0; w < words; ++w) {
-    const uint64_t word = d.next(state);
-    std::memcpy(out + 8 * w, &word, 8);  // little-endian: byte b is (word >> 8b) & 0xFF
+    uint64_t word;
+    std::memcpy(&word, out + 8 * w, 8);
     const uint64_t x = word ^ pattern;
     if ((x - ones) & ~x & highs) {
       for (index_t n = 8 * w; n < std::min(8 * w + 8, count); ++n)
@@ -2238,6 +2305,12 @@ int64_t gat_abi_sizes(int which) {
     case 3: return sizeof(LaneRunSpec);
     default: return -1;
   }
+}
+
+// `count` words of replica r's stream into `out`, as the masks draw them (tests/test_fused.py checks them against
+// numpy's); 1 if they came from the inline PCG64 step, 0 if from numpy's next_uint64 call by call.
+int gat_draw_words(const Dropout* drop, int64_t r, int64_t count, uint64_t* out) {
+  return draw_words(*drop, drop->states[r], count, reinterpret_cast<uint8_t*>(out)) ? 1 : 0;
 }
 
 // One training step of R replicas: float32 parameters updated in place by Adam (when `adam` is not null);
