@@ -488,8 +488,7 @@ void exp_inplace(double* x, index_t n) {
 // ELU in place: x > 0 ? x : expm1(x). In 8 values above -0.5 (all but 0.3 % of the groups of 8 that 4 seeds of Cora
 // passed through it to their early stop, counted in an instrumented copy) each lane's expm1 is the series, so exp's
 // polynomial, which the scalar expression computes in every lane before it selects, runs only for the groups that
-// need it. Each lane takes the scalar expression's
-// operations on the same values, so the bytes are the same.
+// need it. Each lane takes the scalar expression's operations on the same values, so the bytes are the same.
 void elu_inplace(float* x, index_t n) {
   using V = Vec8<float>;
   const V zero = {}, minus_half = zero - 0.5f;
