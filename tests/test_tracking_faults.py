@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import psutil
 import pytest
 from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import BAD_REQUEST, PERMISSION_DENIED
 from mlflow.tracking import MlflowClient
 from pipeline_support import REPO, VENV_BIN, Pipeline, clean_env
 from team_support import TeamBackend
@@ -484,7 +485,8 @@ class _RacedClient(MlflowClient):
             self.raced = True
             if self.rival is not None:
                 super().set_registered_model_alias(name, alias, self.rival)
-            raise MlflowException('duplicate key value violates unique constraint "registered_model_alias_pk"')
+            raise MlflowException('(psycopg2.errors.UniqueViolation) duplicate key value violates unique constraint '
+                                  '"registered_model_alias_pk"', error_code=BAD_REQUEST)
         super().set_registered_model_alias(name, alias, version)
 
 
@@ -507,6 +509,22 @@ def test_a_failed_alias_set_that_no_one_else_made_is_raised(tmp_path: Path) -> N
     version("0.8")
     with pytest.raises(MlflowException, match="duplicate key"):
         settle_champion(_RacedClient(uri, rival=None), "gat-refused")
+
+
+def test_a_refused_alias_set_is_raised_even_with_a_champion_in_place(tmp_path: Path) -> None:
+    """A permission refusal is no lost race, though an alias exists (another evaluation's): it is raised at once,
+    not retried until settle_champion gives up with "kept changing"."""
+    from stages.support.champion import settle_champion
+
+    class RefusedClient(MlflowClient):
+        def set_registered_model_alias(self, name: str, alias: str, version: str) -> None:
+            raise MlflowException("Permission denied", error_code=PERMISSION_DENIED)
+
+    uri, client, version = _new_registered_model(tmp_path, "gat-read-only")
+    client.set_registered_model_alias("gat-read-only", CHAMPION, version("0.7").version)
+    version("0.8")
+    with pytest.raises(MlflowException, match="Permission denied"):
+        settle_champion(RefusedClient(uri), "gat-read-only")
 
 
 def test_an_older_pipelines_champion_gives_way_and_is_never_loaded(tmp_path: Path,

@@ -201,15 +201,22 @@ def _best(versions: Mapping[str, float]) -> str:
     return max(versions, key=lambda number: (versions[number], -int(number)))
 
 
+# How a server's store answers an insert that lost the race (MLflow's managed database session: SQLAlchemy's errors
+# as BAD_REQUEST, others as INTERNAL_ERROR).
+_LOST_RACE_CODES = frozenset({"BAD_REQUEST", "INTERNAL_ERROR"})
+
+
 def _set_champion(client: MlflowClient, model: str, version: str) -> None:
     """Point `champion` at `version`. A server's store sets an alias by reading whether it exists and then inserting
     or updating it, so two evaluations that both found no alias both insert, and the second fails on the table's
-    unique key. That failure means another evaluation set the alias meanwhile: settle_champion's next round reads
-    it and sets it again if it is not the best. Any other failure (the alias still missing) is raised."""
+    unique key. The store answers that as a bad request (its database's error) or an internal error, and it means
+    another evaluation set the alias meanwhile: settle_champion's next round reads it and sets it again if it is not
+    the best. Any other failure is raised: a refusal (permission, authentication), or a failure with the alias still
+    missing."""
     try:
         client.set_registered_model_alias(model, CHAMPION, version)
-    except MlflowException:
-        if _champion(client, model) is None:
+    except MlflowException as error:
+        if error.error_code not in _LOST_RACE_CODES or _champion(client, model) is None:
             raise
 
 
