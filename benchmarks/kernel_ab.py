@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.data import default_data_dir, load_graph, protocol
 from gat import fused
+from gat.config import Setup
 from gat.data import Graph
 from gat.dropout import ReplicaDropout
 from gat.model import GAT
@@ -72,12 +73,17 @@ def turns(names: Sequence[str], round_: int) -> list[str]:
     return list(names) if round_ % 2 == 0 else list(reversed(names))
 
 
+def _cora_protocol(cora: Graph) -> tuple[GraphTensors, Setup, NodeView, NodeView]:
+    """Cora's tensors, the paper's protocol, and the training and validation nodes' 2-hop views."""
+    graph = GraphTensors.from_graph(cora)
+    train_view, val_view = (NodeView.of(graph, nodes, 2) for nodes in (graph.train_idx, graph.val_idx))
+    return graph, protocol(), train_view, val_view
+
+
 def time_kernels(cora: Graph, libraries: dict[str, Any], seeds: int, rounds: int,
                  block: int) -> dict[str, dict[str, list[float]]]:
     """Milliseconds per seed of a training step and of a validation pass, one sample per block, for each library."""
-    graph = GraphTensors.from_graph(cora)
-    paper = protocol()
-    train_view, val_view = (NodeView.of(graph, nodes, 2) for nodes in (graph.train_idx, graph.val_idx))
+    graph, paper, train_view, val_view = _cora_protocol(cora)
     trainers = {}
     for name, lib in libraries.items():
         model = GAT(paper.model, graph.x.num_features, graph.num_classes, tuple(range(seeds)))
@@ -108,9 +114,7 @@ def time_native_loops(cora: Graph, libraries: dict[str, Any], seeds: int, rounds
     """Milliseconds per seed-epoch of the native loop (SeedLanes, lanes of 1, one thread: a tick is one epoch of
     every seed), one sample per block of `block` ticks, for each library. Early stopping's patience is the run's
     length, so every seed trains in every tick."""
-    graph = GraphTensors.from_graph(cora)
-    paper = protocol()
-    train_view, val_view = (NodeView.of(graph, nodes, 2) for nodes in (graph.train_idx, graph.val_idx))
+    graph, paper, train_view, val_view = _cora_protocol(cora)
     epochs = (rounds + 1) * block + 1
     loops = {}
     for name, lib in libraries.items():
