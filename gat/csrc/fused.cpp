@@ -153,8 +153,8 @@ struct NumpyPcg64State {
 constexpr unsigned __int128 kPcg64Multiplier =
     static_cast<unsigned __int128>(0x2360ED051FC65DA4ull) << 64 | 0x4385DF649FCCF645ull;
 
-// The state `steps` ahead: state · multiplier + increment, where (multiplier, increment) = (M, inc) for one step and
-// (M², (M + 1) inc) for two. Then the XSL-RR output of the new state.
+// One step of the LCG, or two at once: state · multiplier + increment, with (multiplier, increment) = (M, inc) for
+// one step and (M², (M + 1) inc) for two. Then the XSL-RR output of the new state.
 inline uint64_t pcg64_advance(unsigned __int128& state, unsigned __int128 multiplier, unsigned __int128 increment) {
   state = state * multiplier + increment;
   const uint64_t xored = static_cast<uint64_t>(state >> 64) ^ static_cast<uint64_t>(state);
