@@ -73,26 +73,34 @@ def turns(names: Sequence[str], round_: int) -> list[str]:
     return list(names) if round_ % 2 == 0 else list(reversed(names))
 
 
-def _cora_protocol(cora: Graph) -> tuple[GraphTensors, Setup, NodeView, NodeView]:
+def cora_protocol(cora: Graph) -> tuple[GraphTensors, Setup, NodeView, NodeView]:
     """Cora's tensors, the paper's protocol, and the training and validation nodes' 2-hop views."""
     graph = GraphTensors.from_graph(cora)
     train_view, val_view = (NodeView.of(graph, nodes, 2) for nodes in (graph.train_idx, graph.val_idx))
     return graph, protocol(), train_view, val_view
 
 
-def time_kernels(cora: Graph, libraries: dict[str, Any], seeds: int, rounds: int,
-                 block: int) -> dict[str, dict[str, list[float]]]:
-    """Milliseconds per seed of a training step and of a validation pass, one sample per block, for each library."""
-    graph, paper, train_view, val_view = _cora_protocol(cora)
+def warm_trainers(cora: Graph, libraries: dict[str, Any], seeds: int,
+                  epochs: int) -> dict[str, tuple[fused.FusedTrainer, ReplicaDropout]]:
+    """For each library, Cora's paper model of `seeds` seeds in a gat.fused.FusedTrainer and its dropout, after
+    `epochs` epochs (a step and a validation pass each) to warm up: the workspaces allocated, the data in cache."""
+    graph, paper, train_view, val_view = cora_protocol(cora)
     trainers = {}
     for name, lib in libraries.items():
         model = GAT(paper.model, graph.x.num_features, graph.num_classes, tuple(range(seeds)))
         trainer = fused.FusedTrainer(model, paper.optim.lr, paper.optim.weight_decay, train_view, val_view, lib=lib)
         trainers[name] = (trainer, ReplicaDropout(tuple(range(seeds)), paper.model.dropout))
-    for trainer, noise in trainers.values():  # warm: the workspaces allocated, the data in cache
-        for _ in range(block):
+    for trainer, noise in trainers.values():
+        for _ in range(epochs):
             trainer.step(noise)
             trainer.validate()
+    return trainers
+
+
+def time_kernels(cora: Graph, libraries: dict[str, Any], seeds: int, rounds: int,
+                 block: int) -> dict[str, dict[str, list[float]]]:
+    """Milliseconds per seed of a training step and of a validation pass, one sample per block, for each library."""
+    trainers = warm_trainers(cora, libraries, seeds, block)
     samples: dict[str, dict[str, list[float]]] = {name: {"step": [], "validation": []} for name in libraries}
     for round_ in range(rounds):
         for name in turns(list(trainers), round_):
@@ -114,7 +122,7 @@ def time_native_loops(cora: Graph, libraries: dict[str, Any], seeds: int, rounds
     """Milliseconds per seed-epoch of the native loop (SeedLanes, lanes of 1, one thread: a tick is one epoch of
     every seed), one sample per block of `block` ticks, for each library. Early stopping's patience is the run's
     length, so every seed trains in every tick."""
-    graph, paper, train_view, val_view = _cora_protocol(cora)
+    graph, paper, train_view, val_view = cora_protocol(cora)
     epochs = (rounds + 1) * block + 1
     loops = {}
     for name, lib in libraries.items():

@@ -671,13 +671,14 @@ def test_an_earlier_commits_kernel_builds_and_computes_the_same_bytes(tmp_path: 
 
 # benchmarks.kernel_phases: the kernel built with its phase timers -------------------------------------------------
 
-def test_the_phase_profile_refuses_no_epochs(capsys) -> None:
+@pytest.mark.parametrize("flag", ["--seeds", "--epochs", "--rounds"])
+def test_the_phase_profile_refuses_no_seeds_epochs_or_rounds(flag: str, capsys) -> None:
     from benchmarks import kernel_phases
 
     with pytest.raises(SystemExit) as stop:
-        kernel_phases.main(["--epochs", "0"])
+        kernel_phases.main([flag, "0"])
     assert stop.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: --seeds and --epochs must be at least 1"
+    assert capsys.readouterr().err.strip() == "error: --seeds, --epochs and --rounds must be at least 1"
 
 
 @pytest.mark.slow
@@ -689,9 +690,32 @@ def test_the_timed_build_times_every_phase_and_computes_the_same_bytes(tmp_path:
     from gat import fused_check
 
     timed = kernel_phases.build_timed(tmp_path)
-    phases, wall = kernel_phases.phase_times(cora_graph, timed, seeds=2, epochs=3)
+    samples = kernel_phases.phase_samples(cora_graph, {"this": timed}, seeds=2, epochs=3, rounds=2)["this"]
+    phases = {name: values for name, values in samples.items()
+              if name not in (kernel_phases.UNTIMED, kernel_phases.WALL)}
     assert len(phases) == timed.gat_phase_count() == 18
-    assert all(ms > 0 for ms in phases.values()), phases
-    assert sum(phases.values()) < wall
+    assert all(len(values) == 2 for values in samples.values()), samples
+    assert all(ms > 0 for values in phases.values() for ms in values), phases
+    for block in range(2):
+        assert sum(values[block] for values in phases.values()) < samples[kernel_phases.WALL][block]
     monkeypatch.setattr(fused, "LANE_WIDTHS", (4, 8, 16))
     assert fused_check.fingerprint(timed) == fused_check.fingerprint(fused.library())
+
+
+@pytest.mark.slow
+def test_the_phase_profile_times_an_earlier_commits_kernel_beside_this_one(tmp_path: Path, cora_graph: Graph,
+                                                                          capsys) -> None:
+    """--against: HEAD's fused.cpp built with the timers as well, both timed in turns, a ratio per phase; a commit
+    from before the timers is a one-line error."""
+    from benchmarks import kernel_phases
+
+    (tmp_path / "head").mkdir()
+    libraries = {"this": kernel_phases.build_timed(tmp_path), "HEAD": kernel_phases.build_timed(tmp_path / "head", "HEAD")}
+    samples = kernel_phases.phase_samples(cora_graph, libraries, seeds=1, epochs=2, rounds=3)
+    assert samples["this"].keys() == samples["HEAD"].keys()
+    assert all(len(values) == 3 for timed in samples.values() for values in timed.values())
+
+    (tmp_path / "old").mkdir()
+    with pytest.raises(kernel_phases.StageError, match=r"^5a0ad3b~1's fused.cpp has no phase timers: compare with a "
+                                                       r"later commit$"):
+        kernel_phases.build_timed(tmp_path / "old", "5a0ad3b~1")

@@ -25,6 +25,7 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <new>
 #include <stdexcept>
 #include <type_traits>
 #include <thread>
@@ -269,6 +270,26 @@ inline void draw_kept_bytes(const Dropout& d, void* state, index_t count, uint8_
   for (index_t n : ties) out[n] = (d.next(state) & 0xFFFFFFu) >= d.threshold_rest ? 0xFF : 0x00;
 }
 
+// The kernel's arrays start on a cache line (64 bytes). A node's 64 features (256 bytes), which the first layer
+// gathers along edges and stored features, then span 4 lines, not 5: malloc's large blocks start 16 bytes past a
+// page, and its others anywhere 16 bytes apart, which also made a phase's time differ by 10 % and more from one
+// process to the next.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) noexcept {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, std::size_t) noexcept { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const noexcept { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const noexcept { return false; }
+};
+template <typename T>
+using Buffer = std::vector<T, CacheLineAllocator<T>>;
+
 // A layer's parameters (or their gradients), torch's layouts. W_by_feature: the paper's first layer keeps W (and
 // ∂L/∂W) as [F_in, H·F'], the 64 weights of an input feature in one row (SeedRun's own copy; layer_forward would
 // otherwise transpose torch's [H, F_in, F'] into that on every pass).
@@ -287,12 +308,12 @@ struct LayerGrads {
 // What a layer's backward pass needs of its forward pass.
 template <typename T>
 struct LayerCache {
-  std::vector<T> input;      // layer 1: the masked feature values [H, nnz]; layer 2: the masked input [H, S, F_in]
+  Buffer<T> input;      // layer 1: the masked feature values [H, nnz]; layer 2: the masked input [H, S, F_in]
   // The paper's first layer (fast_first_layer) under dropout: for each stored feature one byte, whose bit k says
   // whether head k keeps it [nnz], and for each such byte the 8 heads' multipliers, 0 or the dropout scale [256, 8].
-  std::vector<uint8_t> heads_kept;
-  std::vector<T> multipliers;
-  std::vector<T> input_mask; // layer 2 only: [H, S, F_in]
+  Buffer<uint8_t> heads_kept;
+  Buffer<T> multipliers;
+  Buffer<T> input_mask; // layer 2 only: [H, S, F_in]
   const T* shared_input = nullptr;  // layer 2 without dropout: the input [S, F_in], for every head
 
   const T* head_input(index_t k, index_t size) const {
@@ -300,25 +321,25 @@ struct LayerCache {
   }
   // The paper's first layer (fast_first_layer) keeps g, g_dropped and ∂L/∂g by source, [S, H·F']: a source's 8
   // heads are 4 adjacent cache lines for the gathers along the edges, not 8 scattered ones. Masks stay as drawn.
-  std::vector<T> g;          // W·dropout(h) [H, S, F']
-  std::vector<T> g_mask;     // [H, S, F']
-  std::vector<T> g_dropped;  // [H, S, F']
-  std::vector<T> z;          // scores before LeakyReLU [H, E]
-  std::vector<T> alpha;      // [H, E]
-  std::vector<T> alpha_mask; // [H, E]
+  Buffer<T> g;          // W·dropout(h) [H, S, F']
+  Buffer<T> g_mask;     // [H, S, F']
+  Buffer<T> g_dropped;  // [H, S, F']
+  Buffer<T> z;          // scores before LeakyReLU [H, E]
+  Buffer<T> alpha;      // [H, E]
+  Buffer<T> alpha_mask; // [H, E]
   // The paper's first layer under dropout, by edge [E, 8] for its backward pass: α's mask, and α dropped.
-  std::vector<T> alpha_mask8, alpha_dropped8;
-  std::vector<T> pre;        // output before the activation [H, T, F']
+  Buffer<T> alpha_mask8, alpha_dropped8;
+  Buffer<T> pre;        // output before the activation [H, T, F']
 };
 
 template <typename T>
 struct Workspace {
   LayerCache<T> cache[2];
-  std::vector<T> hidden;     // layer 1's output, layer 2's input [T1, H1·F1]
-  std::vector<T> logits;     // [T2, C]
-  std::vector<T> grad_logits, grad_hidden, grad_out, grad_g, s_target, s_source, grad_s_target, grad_s_source,
+  Buffer<T> hidden;     // layer 1's output, layer 2's input [T1, H1·F1]
+  Buffer<T> logits;     // [T2, C]
+  Buffer<T> grad_logits, grad_hidden, grad_out, grad_g, s_target, s_source, grad_s_target, grad_s_source,
       grad_alpha, e, grads, weights_t, weights_t2, grad_weights_t, z8, alpha8;
-  std::vector<uint8_t> kept;  // keep decisions in a stream's order, one byte each
+  Buffer<uint8_t> kept;  // keep decisions in a stream's order, one byte each
   std::vector<index_t> ties;
 };
 
@@ -418,7 +439,7 @@ bool fast_first_layer(const Problem& p, int l) {
 
 // W [H, F_in, F'] -> [F_in, H·F'].
 template <typename T>
-void transpose_heads(const T* W, index_t H, index_t fin, index_t F, std::vector<T>& out) {
+void transpose_heads(const T* W, index_t H, index_t fin, index_t F, Buffer<T>& out) {
   out.resize(fin * H * F);
   for (index_t q = 0; q < fin; ++q)  // the output in order, from H streams of the input
     for (index_t k = 0; k < H; ++k) {
@@ -2179,7 +2200,7 @@ struct LaneRun : LaneRunBase {
 struct SeedRun : LaneRunBase {
   LaneRunSpec spec;
   bool W_by_feature;  // the paper's first layer (8 heads of 8): its W by input feature, [R, F_in, 64]
-  std::vector<std::vector<float>> param, exp_avg, exp_avg_sq;  // kParams per layer, each [R, ...]
+  std::vector<Buffer<float>> param, exp_avg, exp_avg_sq;  // kParams per layer, each [R, ...]
   std::vector<void*> param_of, exp_avg_of, exp_avg_sq_of;
   std::vector<SeedStopping> stopping;  // [R]
   std::vector<int> active;             // the replicas still training, ascending
@@ -2199,7 +2220,7 @@ struct SeedRun : LaneRunBase {
         exp_avg_sq.emplace_back(n, 0.0f);
       }
     const index_t fin = s.train->f_in, numel = param_numel(*s.train, 0, 0);
-    std::vector<float> by_feature;
+    Buffer<float> by_feature;
     for (int64_t r = 0; W_by_feature && r < s.replicas; ++r) {  // [H, F_in, 8] -> [F_in, H·8], replica by replica
       transpose_heads(param[0].data() + r * numel, 8, fin, 8, by_feature);
       std::copy(by_feature.begin(), by_feature.end(), param[0].begin() + r * numel);
