@@ -703,10 +703,9 @@ def test_the_timed_build_times_every_phase_and_computes_the_same_bytes(tmp_path:
 
 
 @pytest.mark.slow
-def test_the_phase_profile_times_an_earlier_commits_kernel_beside_this_one(tmp_path: Path, cora_graph: Graph,
-                                                                          capsys) -> None:
-    """--against: HEAD's fused.cpp built with the timers as well, both timed in turns, a ratio per phase; a commit
-    from before the timers is a one-line error."""
+def test_the_phase_profile_times_an_earlier_commits_kernel_beside_this_one(tmp_path: Path, cora_graph: Graph) -> None:
+    """--against: HEAD's fused.cpp built with the timers as well, both timed in turns with a sample of every phase
+    per round; a commit from before the timers is a one-line error."""
     from benchmarks import kernel_phases
 
     (tmp_path / "head").mkdir()
