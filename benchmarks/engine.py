@@ -60,7 +60,7 @@ from benchmarks.data import DOWNLOADED_DATA_DIR, REPO_ROOT, SHARED_DATA_DIR, def
 from benchmarks.implementations import dense_node_count, dense_peak_bytes
 from benchmarks.report import (FUSED_TARGETS, add_ratios, attention_variants, build_report, check_targets,
                                format_table, machine, summarise)
-from benchmarks.throughput import lane_curve, reproduce_throughput
+from benchmarks.throughput import against_issue_22_start, lane_curve, reproduce_throughput
 from benchmarks.timing import baseline_rss_mb, cases, measure, peak_of
 from stages.support.files import write_json
 from stages.support.params import StageError
@@ -99,6 +99,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lane-epochs", type=int, default=100,
                         help="epochs of each train() run of the lane curve (per-seed loop against seeds as lanes); "
                              "0: skip it")
+    parser.add_argument("--start-epochs", type=int, default=300,
+                        help="epochs of each train() run of the comparison with issue 22's starting point (its own "
+                             "code, from git); 0: skip it")
     parser.add_argument("--no-verify", action="store_true", help="skip the checksum check of the raw files")
     parser.add_argument("--peak-of", help=argparse.SUPPRESS)  # internal: one fresh process per implementation
     return parser.parse_args(argv)
@@ -145,12 +148,18 @@ def run(args: argparse.Namespace) -> dict:
     if args.lane_epochs > 0:
         log(f"seed-epochs per second, per-seed loop against seeds as lanes, {args.throughput_rounds} rounds")
         curve = lane_curve(graph, args.lane_epochs, args.throughput_rounds)
+    start = None
+    if args.start_epochs > 0:
+        log(f"seed-epochs per second against issue 22's starting point, {args.throughput_rounds} rounds")
+        start = against_issue_22_start(args.data_dir, not args.no_verify, args.batched_seeds, args.start_epochs,
+                                       args.throughput_rounds)
     extra = {"command": " ".join(["python", "-m", "benchmarks.engine", *args.argv]),
              "fused_targets": check_targets(entries["fused"], FUSED_TARGETS),
              "fused_batched_targets": check_targets(entries["fused_batched"], FUSED_TARGETS),
              "attention_variants": attention_variants(entries),
              "reproduce_throughput": throughput,
              "lane_curve": curve,
+             "against_issue_22_start": start,
              "other_processes_cpu_share_during_timing": others,
              "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
              "dense_estimated_peak_gb": dense_peak_bytes(args.dense_nodes) / 2**30,

@@ -233,3 +233,16 @@ def test_each_attention_variant_is_timed_against_pyg_gatconv_and_gatv2conv(repor
                 entry[f"{step}_ms"] / entries[block["pyg_gatv2conv"]][f"{step}_ms"])
     table = bench_report.format_table(report)
     assert "Attention variants" in table and "- constant:" in table
+
+
+def test_the_table_says_whether_issue_22s_throughput_target_is_met(report: dict) -> None:
+    from benchmarks.throughput import ISSUE_22_START
+
+    for speedup, verdict in ((1.5, "NOT met"), (2.6, "met")):
+        start = {"against": ISSUE_22_START, "rounds": 3, "seeds_per_batch": 4, "same_weights": True,
+                 "seed_epochs_per_s": {"this checkout": 300.0 * speedup, ISSUE_22_START: 300.0},
+                 "speedup": speedup, "target": bench_report.LANES_SPEEDUP_TARGET,
+                 "met": speedup >= bench_report.LANES_SPEEDUP_TARGET}
+        table = bench_report.format_table({**report, "against_issue_22_start": start})
+        assert (f"this checkout {300 * speedup:.0f}, issue 22's starting point {ISSUE_22_START[:7]} 300: "
+                f"{speedup:.2f}x; target >= 2.5x ({verdict}); the same weights") in table
