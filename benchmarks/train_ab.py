@@ -17,8 +17,10 @@ ratio of the medians; each side's checkpoints are compared too, since both must 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -29,6 +31,8 @@ from typing import Sequence
 
 from benchmarks.data import default_data_dir
 from benchmarks.kernel_ab import REPO_ROOT, turns
+from stages.support import interrupts
+from stages.support.local_pool import PR_SET_PDEATHSIG
 from stages.support.params import StageError
 
 # Run by each side's Python in its own tree: only what both this checkout and issue 22's starting point have.
@@ -82,11 +86,17 @@ def side_environment(fused_dir: Path | None) -> dict[str, str]:
     return env
 
 
+def die_with_this_process() -> None:
+    """In a child, before it runs: the kernel kills it (SIGKILL) when the process that started it dies, so that a
+    comparison killed outright leaves no training behind. (SIGTERM and Ctrl-C stop it in order: see main.)"""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 def build_older_kernel(tree: Path, revision: str) -> Path:
     """The older tree's kernel, built by its own tools.build_fused into `tree`/gat-fused."""
     fused_dir = tree / "gat-fused"
     built = subprocess.run([sys.executable, "-m", "tools.build_fused"], cwd=tree, env=side_environment(fused_dir),
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, preexec_fn=die_with_this_process)
     if built.returncode != 0:
         lines = (built.stderr or built.stdout).strip().splitlines() or ["?"]
         raise StageError(f"{revision}'s kernel does not build here: {lines[-1]}")
@@ -98,7 +108,8 @@ def measure(tree: Path, fused_dir: Path | None, seeds: int, epochs: int, data_di
     against their checksums when `verify`."""
     arguments = [str(seeds), str(epochs), str(data_dir), "verify" if verify else "trust"]
     ran = subprocess.run([sys.executable, "-c", MEASURE, *arguments], cwd=tree,
-                         env=side_environment(fused_dir), capture_output=True, text=True)
+                         env=side_environment(fused_dir), capture_output=True, text=True,
+                         preexec_fn=die_with_this_process)
     if ran.returncode != 0:
         lines = ran.stderr.strip().splitlines() or ["?"]
         raise StageError(f"training in {tree} failed: {lines[-1]}")
@@ -156,16 +167,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=300, help="epochs per sample, every seed training in each")
     parser.add_argument("--rounds", type=int, default=5, help="samples per side, taking turns")
     parser.add_argument("--data-dir", type=Path, default=None, help="Cora's raw files (default: the shared copy)")
+    parser.add_argument("--no-verify", action="store_true", help="skip the checksum check of the raw files")
     args = parser.parse_args(argv)
-    try:
+
+    def run() -> None:
         for flag in ("seeds", "epochs", "rounds"):
             if getattr(args, flag) < 1:
                 raise StageError(f"--{flag} must be at least 1, not {getattr(args, flag)}")
-        compared = against_revision(args.against, args.seeds, args.epochs, args.rounds, args.data_dir)
-    except StageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    print("\n".join(summary(compared)))
+        compared = against_revision(args.against, args.seeds, args.epochs, args.rounds, args.data_dir,
+                                    verify=not args.no_verify)
+        print("\n".join(summary(compared)))
+
+    # SIGTERM, Ctrl-C or a dead parent: one line, the measuring process killed, the temporary tree removed.
+    interrupts.main(run, stopping="stopping; the measuring process is killed and the temporary tree removed.")
 
 
 if __name__ == "__main__":

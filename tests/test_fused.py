@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -707,12 +710,52 @@ def test_the_loop_comparison_runs_both_trees_in_turn_to_the_same_weights(planeto
     assert lines[-2] == f"this checkout / HEAD = {compared['speedup']:.3f}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_loop_comparison_leaves_nothing_training(signum: int, tmp_path: Path, planetoid_folder) -> None:
+    """SIGTERM stops the comparison within seconds, in one line, its temporary tree removed; after SIGKILL too, the
+    measuring process does not train on: the kernel kills it with the comparison."""
+    import psutil
+
+    command = [sys.executable, "-m", "benchmarks.train_ab", "--against", "HEAD", "--seeds", "1", "--epochs", "1000000",
+               "--rounds", "1", "--data-dir", str(planetoid_folder.path)]
+    command += [] if planetoid_folder.real else ["--no-verify"]
+    comparison = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "TMPDIR": str(tmp_path)})
+    measuring: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 240  # HEAD's kernel is built first
+        while not measuring and time.monotonic() < deadline and comparison.poll() is None:
+            try:
+                measuring = [child for child in psutil.Process(comparison.pid).children() if "-c" in child.cmdline()]
+            except psutil.NoSuchProcess:
+                pass
+            time.sleep(0.2)
+        assert measuring, f"no measuring process started: {comparison.poll()}"
+        comparison.send_signal(signum)
+        _, stderr = comparison.communicate(timeout=20)
+        _, alive = psutil.wait_procs(measuring, timeout=10)
+        assert not alive, alive
+        if signum == signal.SIGTERM:
+            assert comparison.returncode == 128 + signum
+            assert stderr.strip().splitlines()[-1] == ("error: interrupted by SIGTERM: stopping; the measuring process "
+                                                       "is killed and the temporary tree removed.")
+            assert list(tmp_path.glob("gat-train-ab-*")) == []  # torch may leave its own folder there
+        else:
+            assert comparison.returncode == -signum
+    finally:
+        for process in [psutil.Process(comparison.pid), *measuring] if comparison.poll() is None else measuring:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        comparison.wait(timeout=10)
+
+
 def test_issue_22s_starting_point_is_a_commit_of_this_repository() -> None:
     """`make bench` compares this checkout with it (benchmarks.throughput.against_issue_22_start)."""
     from benchmarks import throughput
 
     found = subprocess.run(["git", "cat-file", "-e", f"{throughput.ISSUE_22_START}^{{commit}}"],
-                           cwd=Path(__file__).resolve().parents[1], capture_output=True)
+                           cwd=REPO, capture_output=True)
     assert found.returncode == 0, found.stderr
 
 
