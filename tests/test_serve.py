@@ -219,15 +219,16 @@ def _post(url: str, body: Any) -> tuple[int, dict]:
 
 
 @pytest.fixture
-def served(champion: Champion) -> Iterator[tuple[subprocess.Popen, str, list[int]]]:
+def served(champion: Champion, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, list[int]]]:
     """`python -m tools.serve` on a free port: the process, its address, and its children's PIDs (the mlflow CLI
-    and uvicorn), which the test checks are gone after the stop."""
+    and uvicorn), which the test checks are gone after the stop. Its temporary folders go to `tmp_path`: a SIGKILL
+    leaves the champion's copy there, which pytest then removes."""
     import psutil
 
     port = free_port()
     process = subprocess.Popen([*WITH_DEFAULT_SIGNALS, str(VENV_BIN / "python"), "-m", "tools.serve", "--port",
-                                str(port)], cwd=REPO, env=champion.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+                                str(port)], cwd=REPO, env={**champion.env, "TMPDIR": str(tmp_path)},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines, deadline = _lines(process.stdout), time.monotonic() + START_TIMEOUT_S
         while True:
@@ -251,7 +252,7 @@ def served(champion: Champion) -> Iterator[tuple[subprocess.Popen, str, list[int
 
 @pytest.mark.e2e
 def test_the_served_champion_answers_node_ids_and_refuses_bad_ones_in_one_sentence(
-        champion: Champion, served: tuple[subprocess.Popen, str, list[int]]) -> None:
+        champion: Champion, served: tuple[subprocess.Popen, str, list[int]], tmp_path: Path) -> None:
     process, base, children = served
     nodes = [0, 1, 1139, 17]
     status, body = _post(f"{base}/invocations", {"inputs": nodes})
@@ -274,6 +275,7 @@ def test_the_served_champion_answers_node_ids_and_refuses_bad_ones_in_one_senten
     assert "error: interrupted by SIGINT: stopping the model server." in (process.stderr.read() if process.stderr
                                                                           else "")
     assert children and not _running(children)
+    assert list(tmp_path.glob("gat-serve-*")) == []  # the champion's copy is removed on the way out
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"{base}/ping", timeout=5)
 
