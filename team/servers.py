@@ -168,7 +168,9 @@ def start_seaweedfs(state: State, settings: Settings) -> None:
     _make_private(state.weed_dir)  # data from before this fix: 0644 files in 0755 folders
     p = settings.ports
     process = spawn(state, "seaweedfs", [
-        weed, f"-config_dir={state.weed_conf}", "server", f"-dir={state.weed_dir}", "-ip=127.0.0.1",
+        # Its own log files (glog's, by default in /tmp, where each start left three) beside the team's other logs.
+        weed, f"-logdir={state.logs}", f"-config_dir={state.weed_conf}", "server", f"-dir={state.weed_dir}",
+        "-ip=127.0.0.1",
         "-ip.bind=127.0.0.1",
         f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}", "-master.volumeSizeLimitMB=64",
         "-master.telemetry=false",  # no cluster statistics to seaweedfs.com

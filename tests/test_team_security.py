@@ -380,3 +380,16 @@ def test_team_up_makes_data_from_before_private_again(team_backend: TeamBackend)
     assert started.returncode == 0, started.stdout + started.stderr
     assert stat.S_IMODE(state.weed_dir.stat().st_mode) == 0o700
     assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in loose)
+
+
+def test_seaweedfs_writes_its_own_log_files_in_the_teams_folder(team_backend: TeamBackend) -> None:
+    """glog's files (weed.<host>.<user>.log.INFO.<time>.<pid>, and WARNING, ERROR) go to the team's logs folder, not
+    to the temporary folder, where each `team up` left three that `team down` never removed."""
+    import tempfile
+
+    from team.backend import running
+
+    pid = running(team_backend.state)["seaweedfs"]
+    assert pid is not None
+    assert list(team_backend.state.logs.glob(f"weed.*.log.INFO.*.{pid}")), sorted(team_backend.state.logs.iterdir())
+    assert list(Path(tempfile.gettempdir()).glob(f"weed.*.{pid}")) == []
