@@ -151,7 +151,8 @@ def test_logged_model_loads_from_anywhere_and_gives_the_pipeline_predictions(pip
     snippet = ("import json, sys, mlflow\n"
                f"model = mlflow.pyfunc.load_model('runs:/{row.info.run_id}/gat-cora')\n"
                f"print(json.dumps(model.predict({list(nodes)}).argmax(-1).tolist()))\n")
-    env = pipeline.env | {"MLFLOW_TRACKING_URI": pipeline.tracking_uri}
+    # TMPDIR: MLflow downloads the model into a temporary folder of its own and leaves it there.
+    env = pipeline.env | {"MLFLOW_TRACKING_URI": pipeline.tracking_uri, "TMPDIR": str(tmp_path)}
     done = subprocess.run([str(VENV_BIN / "python"), "-c", snippet], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr

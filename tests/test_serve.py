@@ -167,12 +167,12 @@ def test_training_prints_its_line_and_no_mlflow_warning(champion: Champion) -> N
 
 
 @pytest.mark.e2e
-def test_the_loaded_model_equals_the_trained_model_bit_for_bit(champion: Champion) -> None:
+def test_the_loaded_model_equals_the_trained_model_bit_for_bit(champion: Champion, tmp_path: Path) -> None:
     import mlflow
 
     run = json.loads((champion.root / "data/train/run.json").read_text())
     mlflow.set_tracking_uri(champion.env["MLFLOW_TRACKING_URI"])
-    loaded = mlflow.pyfunc.load_model(run["model_uri"])
+    loaded = mlflow.pyfunc.load_model(run["model_uri"], dst_path=str(tmp_path))  # not MLflow's /tmp folder, left
     every_node = np.arange(NODES)
     expected = champion.classifier()(torch.from_numpy(every_node)).numpy()
     predicted = loaded.predict(every_node)

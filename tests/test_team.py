@@ -90,6 +90,7 @@ def test_models_are_objects_in_the_bucket_and_load_through_the_server(team_pipel
                f"model = mlflow.pyfunc.load_model('runs:/{trained['run_id']}/gat-cora')\n"
                f"print(json.dumps(model.predict({list(nodes)}).argmax(-1).tolist()))\n")
     env = {k: v for k, v in clean_env().items() if not k.startswith("AWS_")} | team_backend.mlflow_env
+    env["TMPDIR"] = str(tmp_path)  # MLflow downloads the model into a temporary folder of its own and leaves it there
     done = subprocess.run([str(VENV_BIN / "python"), "-c", snippet], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -122,7 +122,9 @@ def _weed_shell(backend: TeamBackend, cwd: Path, *config: str) -> str:
     ports = backend.settings.ports
     weed = str(VENV_BIN / "weed")
     try:
-        done = subprocess.run([weed, *config, "shell", f"-master=127.0.0.1:{ports['master']}.{ports['master_grpc']}",
+        # -logdir: glog's files beside the test's, not in /tmp.
+        done = subprocess.run([weed, f"-logdir={cwd}", *config, "shell",
+                               f"-master=127.0.0.1:{ports['master']}.{ports['master_grpc']}",
                                f"-filer=127.0.0.1:{ports['filer']}.{ports['filer_grpc']}"],
                               input="s3.configure\n", cwd=cwd, env=clean_env() | {"HOME": str(cwd)},
                               capture_output=True, text=True, timeout=25)
