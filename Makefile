@@ -53,7 +53,7 @@ system-deps:
 
 ## lint: set up .venv with the dev requirements, then ruff and mypy (ruff.toml, mypy.ini) on the code
 lint: $(VENV)/.dev
-	$(BIN)/ruff check gat stages tools benchmarks team
+	$(BIN)/ruff check gat stages tools benchmarks team tests
 	$(BIN)/mypy gat stages tools benchmarks team
 
 ## ui: the MLflow UI on http://127.0.0.1:$(PORT) (PORT=5000 by default) against the project's store; it prints the

@@ -170,9 +170,9 @@ def test_a_server_whose_certificate_the_ca_does_not_vouch_for_is_one_line(team_c
             check_server(uri)
         assert str(refused.value) == (
             f"the MLflow server at {uri} has a TLS certificate that the CA in MLFLOW_TRACKING_SERVER_CERT_PATH "
-            f"({other}) does not vouch for (unable to get local issuer certificate): set MLFLOW_TRACKING_SERVER_CERT_PATH "
-            "to the team's CA certificate (`source .team/env`, or your bundle's env), or ask the team's admin whether "
-            "the server's certificate changed")
+            f"({other}) does not vouch for (unable to get local issuer certificate): "
+            "set MLFLOW_TRACKING_SERVER_CERT_PATH to the team's CA certificate (`source .team/env`, "
+            "or your bundle's env), or ask the team's admin whether the server's certificate changed")
         monkeypatch.delenv("MLFLOW_TRACKING_SERVER_CERT_PATH")
         with pytest.raises(StageError, match=r"the system's CAs \(MLFLOW_TRACKING_SERVER_CERT_PATH is not set\)"):
             check_server(uri)

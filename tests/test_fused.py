@@ -799,7 +799,8 @@ def test_the_phase_profile_times_an_earlier_commits_kernel_beside_this_one(tmp_p
     from benchmarks import kernel_phases
 
     (tmp_path / "head").mkdir()
-    libraries = {"this": kernel_phases.build_timed(tmp_path), "HEAD": kernel_phases.build_timed(tmp_path / "head", "HEAD")}
+    libraries = {"this": kernel_phases.build_timed(tmp_path),
+                 "HEAD": kernel_phases.build_timed(tmp_path / "head", "HEAD")}
     samples = kernel_phases.phase_samples(cora_graph, libraries, seeds=1, epochs=2, rounds=3)
     assert samples["this"].keys() == samples["HEAD"].keys()
     assert all(len(values) == 3 for timed in samples.values() for values in timed.values())

@@ -54,7 +54,8 @@ def test_without_a_total_only_the_clock_with_the_postfix() -> None:
             clock.now += 0.25
             progress.update(postfix={"val_acc": f"{epoch / 1000:.3f}"})
     lines = stream.getvalue().splitlines()
-    assert lines == ["train cora: 120 epochs, 30 s (val_acc 0.120)", "train cora: 240 epochs, 1 min 0 s (val_acc 0.240)"]
+    assert lines == ["train cora: 120 epochs, 30 s (val_acc 0.120)",
+                     "train cora: 240 epochs, 1 min 0 s (val_acc 0.240)"]
 
 
 def test_nothing_before_the_first_step_or_interval() -> None:

@@ -200,7 +200,8 @@ def _read_until(ui: subprocess.Popen, prefix: str) -> list[str]:
 def _ui(port: int, store: str) -> subprocess.Popen:
     env = dict(os.environ, MLFLOW_TRACKING_URI=store, PYTHONUNBUFFERED="1")
     return subprocess.Popen([*WITH_DEFAULT_SIGNALS, sys.executable, "-m", "tools.ui", "--port", str(port)], cwd=ROOT,
-                            env=env, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            env=env, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
 
 
 def test_a_taken_port_is_one_line_exit_2_and_starts_nothing(tiny_store: str) -> None:
