@@ -59,6 +59,24 @@ if __name__ == "__main__":
     main(run)
 '''
 
+# A stage that notes each import of its main module (by the stage itself, and by a spawned worker, where it is
+# __mp_main__) and runs two jobs: its own function ("main", argv[1]), or one from another module (time.sleep).
+MAIN_IMPORT_STAGE = '''
+import os, sys, time
+with open("imported.txt", "a") as noted:
+    noted.write(f"{os.getpid()}\\n")
+from stages.support.local_pool import worker_pool
+
+def job(seconds):
+    time.sleep(seconds)
+
+if __name__ == "__main__":
+    function = job if sys.argv[1] == "main" else time.sleep
+    with worker_pool(2) as pool:
+        done = list(pool.map(function, [0.2, 0.2]))
+    print(f"parent {os.getpid()}: {len(done)} jobs", flush=True)
+'''
+
 # A handover of a file descriptor (how a job's tensors reach a worker) to a worker killed before it took it:
 # multiprocessing's resource_sharer thread finds the connection closed. With "killed" (argv[1]), the pool has killed
 # its workers first (a stop, a failed job), as it was when Ctrl-C came during reproduce's first batches.
@@ -287,6 +305,22 @@ def test_results_come_in_order_and_the_pool_leaves_no_process(tmp_path: Path, cl
         process.kill()
     assert _lines(out, "done") == ["done 0.6", "done 0.1", "done 0.3", "done 0.0"]
     assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S)
+
+
+@pytest.mark.parametrize("job_in", ["main", "elsewhere"])
+def test_workers_import_the_stages_main_module_only_for_its_own_jobs(tmp_path: Path, cleanup: Cleanup,
+                                                                    job_in: str) -> None:
+    # `python -m stages.reproduce` imports MLflow and matplotlib; its jobs live in stages.support.seed_task.
+    process, out, err = _start(MAIN_IMPORT_STAGE, tmp_path, job_in)
+    try:
+        cleanup.watch(process.pid)
+        assert process.wait(timeout=START_S) == 0, err.read_text()
+    finally:
+        process.kill()
+    assert _lines(out, "parent") == [f"parent {process.pid}: 2 jobs"]
+    importers = (tmp_path / "imported.txt").read_text().split()
+    assert importers[0] == str(process.pid)
+    assert len(importers) == (3 if job_in == "main" else 1)  # the two workers, or no one but the stage
 
 
 @pytest.mark.parametrize("pool_end", ["killed", "closed"])
