@@ -296,13 +296,19 @@ def cleanup() -> Iterable[Cleanup]:
 
 # ------------------------------------------------------------------------------------- worker pool level
 
-def test_results_come_in_order_and_the_pool_leaves_no_process(tmp_path: Path, cleanup: Cleanup) -> None:
-    process, out, err = _start(POOL_STAGE, tmp_path, "0.6", "0.1", "0.3", "0")
+def _run_to_exit(script: str, tmp_path: Path, cleanup: Cleanup, *args: str) -> tuple[subprocess.Popen, Path]:
+    """Run `script` until it exits, which must be with 0; the process and its stdout file."""
+    process, out, err = _start(script, tmp_path, *args)
     try:
         cleanup.watch(process.pid)
         assert process.wait(timeout=START_S) == 0, err.read_text()
     finally:
         process.kill()
+    return process, out
+
+
+def test_results_come_in_order_and_the_pool_leaves_no_process(tmp_path: Path, cleanup: Cleanup) -> None:
+    process, out = _run_to_exit(POOL_STAGE, tmp_path, cleanup, "0.6", "0.1", "0.3", "0")
     assert _lines(out, "done") == ["done 0.6", "done 0.1", "done 0.3", "done 0.0"]
     assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S)
 
@@ -311,12 +317,7 @@ def test_results_come_in_order_and_the_pool_leaves_no_process(tmp_path: Path, cl
 def test_workers_import_the_stages_main_module_only_for_its_own_jobs(tmp_path: Path, cleanup: Cleanup,
                                                                     job_in: str) -> None:
     # `python -m stages.reproduce` imports MLflow and matplotlib; its jobs live in stages.support.seed_task.
-    process, out, err = _start(MAIN_IMPORT_STAGE, tmp_path, job_in)
-    try:
-        cleanup.watch(process.pid)
-        assert process.wait(timeout=START_S) == 0, err.read_text()
-    finally:
-        process.kill()
+    process, out = _run_to_exit(MAIN_IMPORT_STAGE, tmp_path, cleanup, job_in)
     assert _lines(out, "parent") == [f"parent {process.pid}: 2 jobs"]
     importers = (tmp_path / "imported.txt").read_text().split()
     assert importers[0] == str(process.pid)
