@@ -25,9 +25,9 @@
   traceback per worker.
 
 The workers are started with the "spawn" method (no fork of a process that holds threads
-and torch state). They import the stage's main module only when a job's function is defined
-there; the stages' jobs live in stages.support.seed_task, so a worker imports what they need, not
-MLflow and the rest of the stage. PR_SET_PDEATHSIG fires when the *thread* that started a worker exits, so
+and torch state). They import the stage's main module only when the function of the job that
+starts them (the pool's first) is defined there; the stages' jobs live in stages.support.seed_task,
+so a worker imports what they need, not MLflow and the rest of the stage. PR_SET_PDEATHSIG fires when the *thread* that started a worker exits, so
 a pool is used by the thread that created it (in the stages, the main thread); `map` refuses
 any other thread.
 """
@@ -137,7 +137,7 @@ def _main_module_unless_needed(function: Callable[..., Any]) -> Iterator[None]:
     `python -m stages.reproduce` that is MLflow, matplotlib and the rest of the stage: 170 MB and 1.5 s of CPU in
     every worker, for jobs that live in stages.support.seed_task. multiprocessing decides from the main module's
     `__spec__` and `__file__` (multiprocessing.spawn.get_preparation_data); both are hidden while the workers start,
-    and put back.
+    and put back. The workers start with the pool's first job, so its function decides for the pool's life.
     """
     main = sys.modules["__main__"]
     if getattr(function, "__module__", "__main__") == "__main__":
