@@ -157,6 +157,55 @@ def test_experiments_travel_through_a_git_remote_with_their_data(team_pipeline: 
 
 # --------------------------------------------------------------------------------------------- concurrency
 
+def _start_queue_workers(pipeline: Pipeline, jobs: int, log: Path) -> list[int]:
+    """`dvc queue start -j jobs`, and the PIDs of the workers it forked.
+
+    Its output goes to a file, not a pipe: dvc_task forks each worker from the `dvc queue start` process, so the
+    forks keep that process's stdout open until they exit, and a pipe would make the call wait for the whole
+    queue and for every worker's idle shutdown (the CI run of b9aec68 waited 600 s on a worker that never
+    stopped, DVC's known `-j` race: treeverse/dvc#10673)."""
+    with log.open("w") as out:
+        subprocess.run([str(VENV_BIN / "dvc"), "queue", "start", "-j", str(jobs)], cwd=pipeline.root,
+                       env=pipeline.env, stdout=out, stderr=subprocess.STDOUT, timeout=120, check=True)
+    # Each fork writes its worker's PID file once the worker has started, after `dvc queue start` returned.
+    pid_files = [pipeline.root / f".dvc/tmp/exps/celery/dvc-exp-worker-{number}.pid" for number in range(1, jobs + 1)]
+    deadline = time.monotonic() + 60
+    while not all(path.is_file() and path.read_text().strip() for path in pid_files):
+        assert time.monotonic() < deadline, f"no worker PID files after 60 s: {log.read_text()}"
+        time.sleep(0.2)
+    return [int(path.read_text()) for path in pid_files]
+
+
+def _queue_diagnosis(pipeline: Pipeline, status: str) -> str:
+    """What a failed queue test shows: the queue's status and the tail of every worker's log."""
+    logs = sorted((pipeline.root / ".dvc/tmp/exps/celery").glob("*.out"))
+    tails = ["\n".join([f"--- {log.name}", *log.read_text(errors="replace").splitlines()[-15:]]) for log in logs]
+    return "\n".join([status, *tails])
+
+
+def _stop_queue_workers(pipeline: Pipeline, pids: list[int]) -> None:
+    """`dvc queue stop --kill`, then each worker's process group by PID if it outlives that by 30 s.
+
+    DVC's shutdown is a message through its file-system broker, which the first worker's `--clean` may delete
+    before the others read it; a worker that misses it idles forever."""
+    pipeline.dvc("queue", "stop", "--kill", check=False)
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in filter(_alive, pids):
+        group = os.getpgid(pid)
+        if group != os.getpgid(0):
+            os.killpg(group, 9)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+
+
 def test_four_queued_experiments_land_once_each(team_pipeline: Pipeline, team_backend: TeamBackend,
                                                 tmp_path: Path) -> None:
     copy = team_pipeline.copy_to(tmp_path / "queue")
@@ -164,7 +213,7 @@ def test_four_queued_experiments_land_once_each(team_pipeline: Pipeline, team_ba
     rates = ("0.002", "0.004", "0.006", "0.008")
     for rate in rates:
         copy.dvc("exp", "run", "--queue", "-S", f"train.optim.lr={rate}")
-    copy.dvc("queue", "start", "-j", "2")
+    workers = _start_queue_workers(copy, 2, tmp_path / "queue-start.log")
     try:
         deadline = time.monotonic() + QUEUE_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -173,10 +222,10 @@ def test_four_queued_experiments_land_once_each(team_pipeline: Pipeline, team_ba
                 break
             time.sleep(3)
         else:
-            pytest.fail(f"the queue did not finish:\n{status}")
+            pytest.fail(f"the queue did not finish in {QUEUE_TIMEOUT_S} s:\n{_queue_diagnosis(copy, status)}")
     finally:
-        copy.dvc("queue", "stop", "--kill", check=False)
-    assert status.count("Success") == 4, status
+        _stop_queue_workers(copy, workers)
+    assert status.count("Success") == 4, _queue_diagnosis(copy, status)
     new = _new_runs(team_backend, TRAIN_EXPERIMENT, before)
     assert len(new) == 4, [run.info.run_name for run in new]
     assert all(run.info.status == "FINISHED" and "test_acc" in run.data.metrics for run in new)
