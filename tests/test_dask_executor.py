@@ -329,6 +329,37 @@ def test_a_local_cluster_starts_in_the_background_and_never_outlives_the_block(m
         assert _poll(lambda: not ours(), 30), [p.cmdline() for p in ours()]
 
 
+# A stage whose main module notes each process that imports it; its one job is defined in it or elsewhere (argv[1]).
+MAIN_IMPORT_STAGE = '''
+import os, sys
+with open("imported.txt", "a") as noted:
+    noted.write(f"{os.getpid()}\\n")
+from stages.support.dask_pool import dask_pool
+
+def job():
+    return os.getpid()
+
+if __name__ == "__main__":
+    with dask_pool(1) as pool:
+        worker = pool.client.submit(job if sys.argv[1] == "main" else os.getpid, pure=False).result()
+    print(f"parent {os.getpid()} worker {worker}", flush=True)
+'''
+
+
+@pytest.mark.parametrize("job_in", ["main", "elsewhere"])
+def test_local_cluster_workers_skip_the_stages_main_module(tmp_path: Path, job_in: str) -> None:
+    """As the local pool's (test_lifecycle), a LocalCluster's workers do not import the stage's main module (for
+    `python -m stages.reproduce`: MLflow, matplotlib), and a job defined there still reaches them, by value."""
+    (tmp_path / "stage.py").write_text(MAIN_IMPORT_STAGE)
+    env = {k: v for k, v in clean_env().items() if not k.startswith("DASK_")} | {"GAT_DASK_DASHBOARD": "off"}
+    done = subprocess.run([str(VENV_BIN / "python"), "stage.py", job_in], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=START_S)
+    assert done.returncode == 0, done.stderr
+    parent, worker = done.stdout.split()[1::2]
+    assert parent != worker
+    assert (tmp_path / "imported.txt").read_text().split() == [parent]
+
+
 def test_the_ablation_estimate_follows_the_measured_costs() -> None:
     """benchmarks.scale's model on made-up times: T(W) = 10 s + 100 worker-s / W."""
     from benchmarks.scale import ablation_wall_s, fit

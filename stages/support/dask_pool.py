@@ -65,6 +65,7 @@ from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from stages.support.certificates import certificate_problem, certificate_refused
+from stages.support.main_module import main_module_hidden
 from stages.support.params import fail
 
 # What to do about a worker that cannot import the project's code.
@@ -404,8 +405,9 @@ def _local_cluster(workers: int) -> DaskPool:
     if dashboard is not None and dashboard.lower() in ("", "off", "none"):
         dashboard = None
     # The scheduler and nannies (in this process) read the settings as they start, and each nanny hands its
-    # worker process a copy of this config.
-    with dask.config.set(local_cluster_config()):
+    # worker process a copy of this config. The workers skip the stage's main module: Dask pickles a function
+    # defined there by value (cloudpickle), so they never need it.
+    with dask.config.set(local_cluster_config()), main_module_hidden():
         # Without a dashboard the scheduler still serves /health and /metrics over HTTP, by default on 8787: on
         # a free loopback port then, so that several stages' clusters never compete for one.
         cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",

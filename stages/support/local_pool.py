@@ -26,8 +26,9 @@
 
 The workers are started with the "spawn" method (no fork of a process that holds threads
 and torch state). They import the stage's main module only when the function of the job that
-starts them (the pool's first) is defined there; the stages' jobs live in stages.support.seed_task,
-so a worker imports what they need, not MLflow and the rest of the stage. PR_SET_PDEATHSIG
+starts them (the pool's first) is defined there (stages.support.main_module); the stages' jobs
+live in stages.support.seed_task, so a worker imports what they need, not MLflow and the rest
+of the stage. PR_SET_PDEATHSIG
 fires when the *thread* that started a worker exits, so a pool is used by the thread that
 created it (in the stages, the main thread); `map` refuses any other thread.
 """
@@ -48,6 +49,7 @@ from multiprocessing.resource_sharer import _ResourceSharer  # type: ignore[attr
 from types import TracebackType
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from stages.support.main_module import main_module_hidden
 from stages.support.params import fail
 from stages.support.supervision import exit_with_parent, first_gone
 
@@ -129,29 +131,6 @@ def _group_signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-@contextlib.contextmanager
-def _main_module_unless_needed(function: Callable[..., Any]) -> Iterator[None]:
-    """While workers start to run `function`: let them skip the stage's main module unless `function` lives there.
-
-    "spawn" makes each worker import the parent's `__main__` again, so that a job defined there unpickles. For
-    `python -m stages.reproduce` that is MLflow, matplotlib and the rest of the stage: 170 MB and 1.5 s of CPU in
-    every worker, for jobs that live in stages.support.seed_task. multiprocessing decides from the main module's
-    `__spec__` and `__file__` (multiprocessing.spawn.get_preparation_data); both are hidden while the workers start,
-    and put back. The workers start with the pool's first job, so its function decides for the pool's life.
-    """
-    main = sys.modules["__main__"]
-    if getattr(function, "__module__", "__main__") == "__main__":
-        yield
-        return
-    hidden: dict[str, Any] = {name: vars(main)[name] for name in ("__spec__", "__file__") if name in vars(main)}
-    main.__spec__ = None
-    vars(main).pop("__file__", None)
-    try:
-        yield
-    finally:
-        vars(main).update(hidden)
-
-
 def _result(future: concurrent.futures.Future) -> Any:
     """A finished job's result; its exception, or one line when its worker died under it (killed, the OOM killer):
     the executor then fails every job, and the stage kills the other workers on its way out."""
@@ -175,7 +154,9 @@ class WorkerPool:
                 initializer=_start_worker, initargs=(os.getpid(),))
 
     def _submit(self, function: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        with _group_signals_held(), _main_module_unless_needed(function):  # the first submit starts the workers
+        # The first submit starts the workers; they need the main module only for a job defined there.
+        main_needed = getattr(function, "__module__", "__main__") == "__main__"
+        with _group_signals_held(), contextlib.nullcontext() if main_needed else main_module_hidden():
             return self._executor.submit(function, *args)
 
     def map(self, function: Callable[..., Any], *iterables: Iterable[Any]) -> Iterator[Any]:
