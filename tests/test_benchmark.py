@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import SYNTHETIC_LAYOUTS, write_synthetic_planetoid
+from pipeline_support import REPO, clean_env
 
 from benchmarks import data as bench_data, engine, implementations, report as bench_report, timing
 from gat.data import Graph
@@ -246,3 +249,29 @@ def test_the_table_says_whether_issue_22s_throughput_target_is_met(report: dict)
         table = bench_report.format_table({**report, "against_issue_22_start": start})
         assert (f"this checkout {300 * speedup:.0f}, issue 22's starting point {ISSUE_22_START[:7]} 300: "
                 f"{speedup:.2f}x; target >= 2.5x ({verdict}); the same weights") in table
+
+
+# benchmarks.worker_imports: what a reproduce worker costs with and without the stage's main module ---------------
+
+def test_the_worker_imports_benchmark_refuses_no_rounds(capsys: pytest.CaptureFixture) -> None:
+    from benchmarks import worker_imports
+
+    with pytest.raises(SystemExit) as stop:
+        worker_imports.main(["--rounds", "0"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: --rounds must be at least 1, not 0"
+
+
+@pytest.mark.slow
+def test_the_worker_imports_benchmark_shows_both_pools_workers_without_mlflow() -> None:
+    """Run as the README says: in each pool, the worker started as the stage starts it has not imported MLflow and
+    is smaller than the one that imported the main module (`python -m`, so that the main module is this one)."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.worker_imports", "--rounds", "1"], cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = {tuple(line.split(":")[0].split()[::3]): line for line in done.stdout.splitlines()}
+    assert sorted(rows) == [("dask", "hidden"), ("dask", "imported"), ("local", "hidden"), ("local", "imported")]
+    for pool_kind in ("local", "dask"):
+        hidden, imported = rows[pool_kind, "hidden"], rows[pool_kind, "imported"]
+        assert hidden.endswith("MLflow imported: False") and imported.endswith("MLflow imported: True"), done.stdout
+        assert float(hidden.split("RSS ")[1].split()[0]) < float(imported.split("RSS ")[1].split()[0]), done.stdout
