@@ -160,6 +160,27 @@ if __name__ == "__main__":
     main(run)
 '''
 
+# A stage that is done: its thread must be waited for, its atexit handler run and its last, unflushed words
+# printed; an object that the interpreter's teardown would delete says so, and must not get the chance.
+DONE_STAGE = '''
+import atexit, threading, time
+from stages.support.interrupts import main
+
+class Module:
+    def __del__(self):
+        print("torn down", flush=True)
+
+HELD = Module()
+
+def run():
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread done")), daemon=False).start()
+    atexit.register(print, "atexit handler")
+    print("done", end="")
+
+if __name__ == "__main__":
+    main(run)
+'''
+
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -483,6 +504,13 @@ def test_a_stopped_stage_exits_without_the_interpreter_teardown(tmp_path: Path, 
     assert code == 128 + signal.SIGTERM
     assert err.read_text().strip() == ("error: interrupted by SIGTERM: stopping; the MLflow run is marked FAILED "
                                        "and no output is written.")
+
+
+def test_a_stage_that_is_done_exits_without_the_interpreter_teardown(tmp_path: Path, cleanup: Cleanup) -> None:
+    """Done: the stage waits for its threads, runs its atexit handlers, prints what it buffered and exits 0, but
+    skips the interpreter's teardown (1.2 to 1.5 s of every real stage's wall time)."""
+    process, out = _run_to_exit(DONE_STAGE, tmp_path, cleanup)
+    assert out.read_text().splitlines() == ["donethread done", "atexit handler"]
 
 
 # ------------------------------------------------------------------------------------------- stage level
