@@ -39,6 +39,22 @@ class BatchResult:
     worker: dict[str, str]
 
 
+def batches(seeds: Sequence[int], size: int, workers: int = 1) -> list[list[int]]:
+    """`seeds` in order, in batches of `size`, but the last round of batches split evenly over the `workers`.
+
+    Each worker takes the next batch as it finishes one, so the last round decides when the stage ends: 100 seeds in
+    batches of 4 are 25 batches, and on 2 workers one would train the 25th alone while the other waited. Instead,
+    the seeds after the last full round (one batch of `size` per worker) go into `workers` batches as equal as can
+    be: 24 batches of 4, then 2 of 2, 50 seeds a worker. A seed's results never depend on its batch.
+    """
+    round_ = size * workers
+    whole = len(seeds) // round_ * round_
+    head = [list(seeds[start:start + size]) for start in range(0, whole, size)]
+    tail = list(seeds[whole:])
+    parts = min(workers, len(tail))
+    return head + [tail[len(tail) * part // parts:len(tail) * (part + 1) // parts] for part in range(parts)]
+
+
 def weights_sha256(model: GAT, replica: int) -> str:
     """SHA-256 of one replica's weights: every state-dict entry in name order, as name, dtype, shape and the
     raw bytes of its slice. Equal hashes mean bit-identical networks, whatever batch the replica trained in.

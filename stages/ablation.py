@@ -31,8 +31,9 @@ import mlflow
 
 from gat.data import Graph, graph_to_tensors
 from gat.model import GAT
+from gat.seeds import batches
 from gat.training import planned_kernel
-from stages.support.ablation_cache import Cell, batches, fingerprint_of, read_cache, record_job, variant_setup
+from stages.support.ablation_cache import Cell, fingerprint_of, read_cache, record_job, variant_setup
 from stages.support.ablation_report import made_by, outcomes, report
 from stages.support.ablation_runs import invocation_tags, log_cell
 from stages.support.figures import ablation_figure, png_bytes
@@ -105,7 +106,8 @@ def run() -> None:
                     check_same_code(pool.run_on_workers(code_sha256))
                     mlflow.set_tag("dask_scheduler", pool.address)
                 for dataset, (graph, _meta) in prepared.items():
-                    # Every variant's batches of a dataset at once, so that no worker waits for a cell to end.
+                    # Every variant's batches of a dataset at once, so that no worker waits for a cell to end; whole
+                    # batches (workers=1): the grid's last round ends the stage, not a cell's.
                     work = [(cell, batch) for cell in cells if cell.dataset == dataset
                             for batch in batches(missing[id(cell)], executor.seeds_per_batch)]
                     if not work:

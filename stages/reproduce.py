@@ -24,6 +24,7 @@ import mlflow
 from gat.data import graph_to_tensors
 from gat.datasets import DATASETS
 from gat.reproduction import correct_answers, histogram, summarise
+from gat.seeds import batches
 from stages.support.files import load_prepared, outputs_together, write_csv, write_json
 from stages.support.interrupts import main
 from stages.support.local_pool import WorkerPool
@@ -52,7 +53,6 @@ def run() -> None:
     graph, meta = load_prepared(args.data, args.dataset)
     code_sha256()  # the training code as this run starts, which every worker must run too (check_same_code)
     seeds = list(range(settings.first_seed, settings.first_seed + settings.seeds))
-    batches = [seeds[i:i + settings.seeds_per_batch] for i in range(0, len(seeds), settings.seeds_per_batch)]
 
     logged = logged_params(params, "reproduce", args.dataset)  # this reproduction's settings and protocol
     tags = standard_tags(args.dataset, meta["source_sha256"], split_seed(meta))
@@ -76,7 +76,9 @@ def run() -> None:
                 run_tags["dask_scheduler"] = pool.address
             mlflow.set_tags(run_tags)
             # Plain tensors travel to the workers; torch's pickling of sparse ones warns on every batch.
-            results = gather(pool, graph_to_tensors(graph), [(setup, batch) for batch in batches], device, progress)
+            # The last round split over the workers, so that they end together (gat.seeds.batches).
+            jobs = [(setup, batch) for batch in batches(seeds, settings.seeds_per_batch, pool.size)]
+            results = gather(pool, graph_to_tensors(graph), jobs, device, progress)
         check_same_code(results)
         rows = [row for result in results for row in result.rows]
         if [row["seed"] for row in rows] != seeds:

@@ -78,10 +78,6 @@ def write_cache(cell: Cell) -> None:
         write_json(cell.folder / "fingerprint.json", cell.fingerprint)
 
 
-def batches(seeds: Sequence[int], size: int) -> list[list[int]]:
-    return [list(seeds[i:i + size]) for i in range(0, len(seeds), size)]
-
-
 def record(cell: Cell, result: BatchResult) -> None:
     """A finished batch into its cell and the cell's cache."""
     check_same_code([result])  # nothing from other training code enters the cache
