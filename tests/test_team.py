@@ -12,9 +12,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 from pipeline_support import REPO, VENV_BIN, Pipeline, clean_env, ran
+from readme_support import process_tree, stop_all
 from team_support import TeamBackend, server_runs, with_team_remote
 
 from stages.support.store import DATA_EXPERIMENT, REPRODUCE_EXPERIMENT, TRAIN_EXPERIMENT
@@ -184,26 +186,14 @@ def _queue_diagnosis(pipeline: Pipeline, status: str) -> str:
 
 
 def _stop_queue_workers(pipeline: Pipeline, pids: list[int]) -> None:
-    """`dvc queue stop --kill`, then each worker's process group by PID if it outlives that by 30 s.
+    """`dvc queue stop --kill`, then stop by PID each worker (and what it started) that outlives that by 30 s.
 
     DVC's shutdown is a message through its file-system broker, which the first worker's `--clean` may delete
     before the others read it; a worker that misses it idles forever."""
+    workers = [process for pid in pids for process in process_tree(pid)]
     pipeline.dvc("queue", "stop", "--kill", check=False)
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    for pid in filter(_alive, pids):
-        group = os.getpgid(pid)
-        if group != os.getpgid(0):
-            os.killpg(group, 9)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+    _gone, alive = psutil.wait_procs(workers, timeout=30)
+    stop_all(alive)
 
 
 def test_four_queued_experiments_land_once_each(team_pipeline: Pipeline, team_backend: TeamBackend,
