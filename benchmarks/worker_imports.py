@@ -30,8 +30,9 @@ if __name__ in ("__main__", "__mp_main__"):
 
 def worker_facts(_job: object = None) -> tuple[float, float, bool]:
     """(RSS in MB, CPU seconds since the process started, whether MLflow is imported), in the worker."""
-    times = psutil.Process().cpu_times()
-    return psutil.Process().memory_info().rss / 2**20, times.user + times.system, "mlflow" in sys.modules
+    me = psutil.Process()
+    times = me.cpu_times()
+    return me.memory_info().rss / 2**20, times.user + times.system, "mlflow" in sys.modules
 
 
 @contextlib.contextmanager

@@ -28,9 +28,9 @@ The workers are started with the "spawn" method (no fork of a process that holds
 and torch state). They import the stage's main module only when the function of the job that
 starts them (the pool's first) is defined there (stages.support.main_module); the stages' jobs
 live in stages.support.seed_task, so a worker imports what they need, not MLflow and the rest
-of the stage. PR_SET_PDEATHSIG
-fires when the *thread* that started a worker exits, so a pool is used by the thread that
-created it (in the stages, the main thread); `map` refuses any other thread.
+of the stage. PR_SET_PDEATHSIG fires when the *thread* that started a worker exits, so a pool
+is used by the thread that created it (in the stages, the main thread); `map` refuses any
+other thread.
 """
 
 from __future__ import annotations
