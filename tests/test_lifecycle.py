@@ -44,7 +44,9 @@ from stages.support.interrupts import main
 from stages.support.local_pool import worker_pool
 
 def job(seconds):
-    print(f"started {os.getpid()}", flush=True)
+    # One write per line: both workers share the stage's stdout, and with PYTHONUNBUFFERED (as in CI) print
+    # writes the text and its newline apart, so two workers' lines could run together.
+    os.write(1, f"started {os.getpid()}\\n".encode())
     if seconds < 0:
         raise ValueError("a failed batch")
     time.sleep(seconds)
