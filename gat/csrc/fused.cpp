@@ -396,6 +396,14 @@ inline Vec8<T> lane_everywhere(Vec8<T> v, int k) {
   return Vec8<T>{x, x, x, x, x, x, x, x};  // not 0 + x, which would turn -0 into +0
 }
 
+// *x in every lane, loaded from memory (a broadcast load, which takes a load port, not the shuffle port that
+// lane_everywhere's permute needs).
+template <typename T>
+inline Vec8<T> broadcast8(const T* x) {
+  const T v = *x;
+  return Vec8<T>{v, v, v, v, v, v, v, v};
+}
+
 // The 8 × 8 matrix `rows` transposed in place: lane k of rows[f] becomes lane f of rows[k] (AVX2's unpack, shuffle
 // and 128-bit permute pattern; moves only, no arithmetic).
 template <typename T>
@@ -566,11 +574,11 @@ void first_layer_inference(const Problem& p, const LayerParams<T>& w, Workspace<
     exp_inplace(alpha, n * 8);
     V total = zero;
     for (index_t e = 0; e < n; ++e) total += load8(alpha + e * 8);
+    for (index_t e = 0; e < n; ++e) store8(alpha + e * 8, load8(alpha + e * 8) / total);
     V acc[8] = {};
     for (index_t e = 0; e < n; ++e) {
       const T* gj = c.g.data() + b.source[begin + e] * 64;
-      const V a = load8(alpha + e * 8) / total;
-      for (int k = 0; k < 8; ++k) acc[k] += lane_everywhere<T>(a, k) * load8(gj + k * 8);
+      for (int k = 0; k < 8; ++k) acc[k] += broadcast8(alpha + e * 8 + k) * load8(gj + k * 8);
     }
     for (int k = 0; k < 8; ++k) store8(output + i * 64 + k * 8, acc[k] + load8(w.bias + k * 8));
     elu_inplace(output + i * 64, 64);
@@ -657,8 +665,7 @@ void first_layer_attention(const Problem& p, const LayerParams<T>& w, bool train
     V acc[8] = {};
     for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
       const index_t j = b.source[e];
-      const V a = load8(a_dropped + e * 8);
-      for (int k = 0; k < 8; ++k) acc[k] += lane_everywhere<T>(a, k) * load8(g_dropped + j * 64 + k * 8);
+      for (int k = 0; k < 8; ++k) acc[k] += broadcast8(a_dropped + e * 8 + k) * load8(g_dropped + j * 64 + k * 8);
     }
     for (int k = 0; k < 8; ++k) store8(c.pre.data() + (k * Tn + i) * 8, acc[k] + load8(w.bias + k * 8));
   }
@@ -1027,8 +1034,8 @@ void first_layer_backward(const Problem& p, const LayerParams<T>& w, const T* gr
       for (int k = 0; k < 8; ++k) prod[k] = dv[k] * load8(gd + j * 64 + k * 8);
       const V da = sum8_each<T>(prod);  // lane k: head k's dot product, its lanes summed as sum8 sums them
       store8(ws.grad_alpha.data() + e * 8, dropout ? da * load8(c.alpha_mask8.data() + e * 8) : da);
-      const V a = load8(a_dropped + e * 8);
-      for (int k = 0; k < 8; ++k) store8(dg + j * 64 + k * 8, load8(dg + j * 64 + k * 8) + lane_everywhere<T>(a, k) * dv[k]);
+      for (int k = 0; k < 8; ++k)
+        store8(dg + j * 64 + k * 8, load8(dg + j * 64 + k * 8) + broadcast8(a_dropped + e * 8 + k) * dv[k]);
     }
   }
   if (dropout) {
