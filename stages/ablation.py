@@ -93,12 +93,13 @@ def run() -> None:
     logged = logged_params(params, "ablation")
     commit = git_commit(repo_root())  # the code's, wherever it runs from
     parent_tags = invocation_tags(settings, executor, seeds, commit, logged)
-    with starting_pool(executor.executor, executor.workers, device) as pool_when_ready, \
+    with starting_pool(executor.executor, executor.workers, device, start_now=any(missing.values())) \
+            as pool_when_ready, \
             stage_run(ABLATION_EXPERIMENT, f"ablation-{len(seeds)}-seeds", parent_tags) as parent:
         mlflow.log_params(logged)
         if any(missing.values()):
-            # Workers start only when something is left to train; a stop kills them and ends the run FAILED, with
-            # the batches finished so far in the cache.
+            # Workers start (as the MLflow run opens) only when something is left to train; a stop kills them and
+            # ends the run FAILED, with the batches finished so far in the cache.
             with pool_when_ready() as pool:
                 mlflow.set_tag("workers_resolved", str(pool.size))
                 if not isinstance(pool, WorkerPool):

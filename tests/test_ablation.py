@@ -97,7 +97,8 @@ def trained(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[int]]]:
         return dataclasses.replace(result, rows=rows, worker={**result.worker, "training_kernel": kernel})
 
     @contextlib.contextmanager
-    def inline(executor: str, workers: int, device: torch.device) -> Iterator[Callable[[], WorkerPool]]:
+    def inline(executor: str, workers: int, device: torch.device,
+               start_now: bool = True) -> Iterator[Callable[[], WorkerPool]]:
         yield InlinePool
 
     monkeypatch.setattr(seed_pool, "train_seeds", train)
@@ -191,7 +192,8 @@ def test_the_real_variants_train_and_name_their_kernels(workdir: Path, monkeypat
                            "reproduce.protocol.cora.optim.max_epochs": 4})
 
     @contextlib.contextmanager
-    def inline(executor: str, workers: int, device: torch.device) -> Iterator[Callable[[], WorkerPool]]:
+    def inline(executor: str, workers: int, device: torch.device,
+               start_now: bool = True) -> Iterator[Callable[[], WorkerPool]]:
         yield InlinePool
 
     monkeypatch.setattr(ablation, "starting_pool", inline)

@@ -9,6 +9,7 @@ killed in a `finally`, whatever happened.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -100,6 +101,49 @@ peer.connect(resource_sharer._resource_sharer._address)
 peer.close()
 time.sleep(1.0)
 print("done", flush=True)
+'''
+
+# A stand-in for a stage that starts its workers before any job (WorkerPool.start), each preloading the module
+# `imported_by_workers` (written beside it: it notes the importing process), then runs three jobs on them.
+STARTED_POOL_STAGE = '''
+import json, time
+from pathlib import Path
+from stages.support.interrupts import main
+from stages.support.local_pool import worker_pool
+
+def run():
+    with worker_pool(2, preload=["imported_by_workers"]) as pool:
+        pool.start()
+        deadline = time.monotonic() + 30
+        while len(list(Path().glob("imported-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        importers = sorted(int(path.name.split("-")[1]) for path in Path().glob("imported-*"))
+        workers = sorted(p.pid for p in pool.workers())
+        print("before any job: " + json.dumps({"imported by": importers, "workers": workers}), flush=True)
+        print(f"results {list(pool.map(abs, [-1, -2, -3]))}", flush=True)
+
+if __name__ == "__main__":
+    main(run)
+'''
+
+# A stand-in for a stage whose MLflow run fails to open inside stages.support.seed_pool.starting_pool's block: how
+# many worker processes run meanwhile, and after the block.
+FAILED_SETUP_STAGE = '''
+import multiprocessing, sys
+import torch
+from stages.support.interrupts import main
+from stages.support.seed_pool import starting_pool
+
+def run():
+    try:
+        with starting_pool("local", 2, torch.device("cpu"), start_now=sys.argv[1] == "now"):
+            print(f"while the run opens: {len(multiprocessing.active_children())} workers", flush=True)
+            raise RuntimeError("the MLflow run failed to open")
+    except RuntimeError:
+        print(f"after the block: {len(multiprocessing.active_children())} workers", flush=True)
+
+if __name__ == "__main__":
+    main(run)
 '''
 
 # A stand-in for a stage that works forever inside an atomic output folder.
@@ -334,6 +378,29 @@ def test_results_come_in_order_and_the_pool_leaves_no_process(tmp_path: Path, cl
     process, out = _run_to_exit(POOL_STAGE, tmp_path, cleanup, "0.6", "0.1", "0.3", "0")
     assert _lines(out, "done") == ["done 0.6", "done 0.1", "done 0.3", "done 0.0"]
     assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S)
+
+
+def test_started_workers_import_the_jobs_modules_before_any_job(tmp_path: Path, cleanup: Cleanup) -> None:
+    """WorkerPool.start: both workers run, and have imported the pool's preload module, before the first job is
+    submitted; the jobs then run on them, in order."""
+    (tmp_path / "imported_by_workers.py").write_text('import os\nopen(f"imported-{os.getpid()}", "w").close()\n')
+    process, out = _run_to_exit(STARTED_POOL_STAGE, tmp_path, cleanup)
+    [before] = _lines(out, "before any job")
+    found = json.loads(before.removeprefix("before any job: "))
+    assert len(found["workers"]) == 2 and found["imported by"] == found["workers"], before
+    assert _lines(out, "results") == ["results [1, 2, 3]"]
+    assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S)
+
+
+@pytest.mark.parametrize("start", ["now", "later"])
+def test_workers_started_with_the_stages_set_up_die_when_it_fails(tmp_path: Path, cleanup: Cleanup,
+                                                                  start: str) -> None:
+    """starting_pool starts the local workers as its block begins (start_now), so that they import torch while the
+    stage opens its MLflow run; if that fails, they are killed at once. start_now=False (an ablation with
+    nothing left to train) starts none."""
+    process, out = _run_to_exit(FAILED_SETUP_STAGE, tmp_path, cleanup, start)
+    assert _lines(out, "while") == [f"while the run opens: {2 if start == 'now' else 0} workers"]
+    assert _lines(out, "after") == ["after the block: 0 workers"]
 
 
 @pytest.mark.parametrize("job_in", ["main", "elsewhere"])

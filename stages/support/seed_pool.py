@@ -24,12 +24,12 @@ if TYPE_CHECKING:
 
 
 @contextlib.contextmanager
-def starting_pool(executor: str, workers: int, device: torch.device
+def starting_pool(executor: str, workers: int, device: torch.device, start_now: bool = True
                   ) -> Iterator[Callable[[], "WorkerPool | DaskPool"]]:
     """A function that returns the executor's pool of workers; `workers` 0 is one per core, and one GPU serves one
-    process. A Dask LocalCluster starts as the block begins, so that its workers' start overlaps the stage's
-    set-up (stages.support.dask_pool.StartingPool); local workers start with their first batch, in the thread that
-    asks."""
+    process. The workers start as the block begins, so that their start (a process each, importing torch) overlaps
+    the stage's own set-up: a Dask LocalCluster in a thread (stages.support.dask_pool.StartingPool); local workers
+    with `start_now` (WorkerPool.start), else with their first batch. An exception in the block kills them."""
     if device.type == "cuda":
         workers = 1
     if executor == "dask":
@@ -38,7 +38,17 @@ def starting_pool(executor: str, workers: int, device: torch.device
         with starting_dask_pool(workers) as starting:
             yield starting.pool
         return
-    yield lambda: worker_pool(workers or os.cpu_count() or 1)
+    preload = (train_seeds.__module__,)  # the training code: torch, gat
+    if not start_now:
+        yield lambda: worker_pool(workers or os.cpu_count() or 1, preload)
+        return
+    pool = worker_pool(workers or os.cpu_count() or 1, preload)
+    try:
+        pool.start()
+        yield lambda: pool  # the block's `with pool_when_ready() as pool` closes it, or kills it on an exception
+    except BaseException:
+        pool.terminate()  # an exception before that block (the MLflow run failed to open, a stop)
+        raise
 
 
 def gather(pool: "WorkerPool | DaskPool", graph_tensors: dict, jobs: Sequence[tuple[Setup, list[int]]],
