@@ -104,7 +104,8 @@ print("done", flush=True)
 '''
 
 # A stand-in for a stage that starts its workers before any job (WorkerPool.start), each preloading the module
-# `imported_by_workers` (written beside it: it notes the importing process), then runs three jobs on them.
+# `imported_by_workers` (written beside it: it notes the importing process, and its interpreter's teardown), then
+# runs three jobs on them.
 STARTED_POOL_STAGE = '''
 import json, time
 from pathlib import Path
@@ -124,6 +125,12 @@ def run():
 
 if __name__ == "__main__":
     main(run)
+'''
+
+IMPORTED_BY_WORKERS = '''
+import atexit, os
+open(f"imported-{os.getpid()}", "w").close()
+atexit.register(lambda: open(f"torn-down-{os.getpid()}", "w").close())
 '''
 
 # A stand-in for a stage whose MLflow run fails to open inside stages.support.seed_pool.starting_pool's block: how
@@ -383,13 +390,22 @@ def test_results_come_in_order_and_the_pool_leaves_no_process(tmp_path: Path, cl
 def test_started_workers_import_the_jobs_modules_before_any_job(tmp_path: Path, cleanup: Cleanup) -> None:
     """WorkerPool.start: both workers run, and have imported the pool's preload module, before the first job is
     submitted; the jobs then run on them, in order."""
-    (tmp_path / "imported_by_workers.py").write_text('import os\nopen(f"imported-{os.getpid()}", "w").close()\n')
+    (tmp_path / "imported_by_workers.py").write_text(IMPORTED_BY_WORKERS)
     process, out = _run_to_exit(STARTED_POOL_STAGE, tmp_path, cleanup)
     [before] = _lines(out, "before any job")
     found = json.loads(before.removeprefix("before any job: "))
     assert len(found["workers"]) == 2 and found["imported by"] == found["workers"], before
     assert _lines(out, "results") == ["results [1, 2, 3]"]
     assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S)
+
+
+def test_a_pool_whose_jobs_are_done_kills_its_idle_workers(tmp_path: Path, cleanup: Cleanup) -> None:
+    """WorkerPool.close with every job done: the idle workers are killed, not left to run the interpreter's teardown
+    (an atexit handler of theirs never runs), which the stage would wait for."""
+    (tmp_path / "imported_by_workers.py").write_text(IMPORTED_BY_WORKERS)
+    _run_to_exit(STARTED_POOL_STAGE, tmp_path, cleanup)
+    assert len(list(tmp_path.glob("imported-*"))) == 2
+    assert list(tmp_path.glob("torn-down-*")) == []
 
 
 @pytest.mark.parametrize("start", ["now", "later"])
