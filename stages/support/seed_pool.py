@@ -38,11 +38,11 @@ def starting_pool(executor: str, workers: int, device: torch.device, start_now: 
         with starting_dask_pool(workers) as starting:
             yield starting.pool
         return
-    preload = (train_seeds.__module__,)  # the training code: torch, gat
+    size, preload = workers or os.cpu_count() or 1, (train_seeds.__module__,)  # preload: the training code
     if not start_now:
-        yield lambda: worker_pool(workers or os.cpu_count() or 1, preload)
+        yield lambda: worker_pool(size, preload)
         return
-    pool = worker_pool(workers or os.cpu_count() or 1, preload)
+    pool = worker_pool(size, preload)
     try:
         pool.start()
         yield lambda: pool  # the block's `with pool_when_ready() as pool` closes it, or kills it on an exception
