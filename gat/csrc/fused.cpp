@@ -339,7 +339,7 @@ struct Workspace {
   Buffer<T> hidden;     // layer 1's output, layer 2's input [T1, H1·F1]
   Buffer<T> logits;     // [T2, C]
   Buffer<T> grad_logits, grad_hidden, grad_out, grad_g, s_target, s_source, grad_s_target, grad_s_source,
-      grad_alpha, e, grads, weights_t, weights_t2, grad_weights_t, z8, alpha8;
+      grad_alpha, e, grads, weights_t, weights_t2, weight_pairs, grad_weights_t, z8, alpha8;
   Buffer<uint8_t> kept;  // keep decisions in a stream's order, one byte each
   std::vector<index_t> ties;
 };
@@ -867,6 +867,35 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
           for (index_t f = 0; f < F; ++f) ws.weights_t2[f * fin + q] = Wk[q * F + f];
         // Up to 8 outputs at a time, their sums side by side (independent chains of additions), then each summed
         // across its lanes by sum8_each, in sum8's order.
+        if constexpr (kWideVectors && std::is_same_v<T, float>) {
+          if (F <= 8) {
+            // Two outputs per 16-lane vector: the weights of outputs 2m and 2m + 1 for each chunk of 8 inputs side
+            // by side (zeros past F), times that chunk of h in both halves. Lane by lane the sums of the 8-lane loop
+            // below, each half then summed across its lanes by sum8_each as there.
+            ws.weight_pairs.assign(4 * fin * 2, T(0));
+            for (index_t f = 0; f < F; ++f)
+              for (index_t q = 0; q < fin; ++q)
+                ws.weight_pairs[((f / 2) * fin + q / 8 * 8) * 2 + f % 2 * 8 + q % 8] = ws.weights_t2[f * fin + q];
+            const index_t pairs = (F + 1) / 2;
+            for (index_t j = 0; j < S; ++j) {
+              const T* hj = c.head_input(k, S * fin) + j * fin;
+              Vec16f acc[4] = {};
+              for (index_t q = 0; q < fin; q += 8) {
+                const Vec8<T> h8 = load8(hj + q);
+                const Vec16f h = __builtin_shufflevector(h8, h8, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+                for (index_t m = 0; m < pairs; ++m) acc[m] += h * load16(ws.weight_pairs.data() + (m * fin + q) * 2);
+              }
+              Vec8<T> halves[8] = {};
+              for (index_t m = 0; m < pairs; ++m) {
+                halves[2 * m] = __builtin_shufflevector(acc[m], acc[m], 0, 1, 2, 3, 4, 5, 6, 7);
+                halves[2 * m + 1] = __builtin_shufflevector(acc[m], acc[m], 8, 9, 10, 11, 12, 13, 14, 15);
+              }
+              const Vec8<T> sums = sum8_each<T>(halves);
+              for (index_t f = 0; f < F; ++f) c.g[(k * S + j) * F + f] = sums[f];
+            }
+            continue;
+          }
+        }
         for (index_t j = 0; j < S; ++j) {
           const T* hj = c.head_input(k, S * fin) + j * fin;
           for (index_t f0 = 0; f0 < F; f0 += 8) {
