@@ -344,6 +344,10 @@ struct Workspace {
   std::vector<index_t> ties;
 };
 
+// GCC warns that passing a vector wider than the target's registers by value (8 doubles, or 16 floats without
+// AVX-512) has another ABI: only this file's functions, all internal, pass them.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 // 8 lanes of T in one vector (GCC's vector extension: AVX, else SSE, else scalar code); each lane rounds as
 // the scalar operation does.
 template <typename T>
@@ -435,6 +439,30 @@ inline Vec16f lane_pair_everywhere(Vec8<float> v, int m) {
 #else
   const float low = v[2 * m], high = v[2 * m + 1];
   return Vec16f{low, low, low, low, low, low, low, low, high, high, high, high, high, high, high, high};
+#endif
+}
+
+// The 8 floats at p in both halves of a 16-lane vector (one broadcast load with AVX-512 DQ), and a 16-lane vector's
+// two halves; plain copies without AVX-512.
+inline Vec16f twice(const float* p) {
+#if defined(__AVX512DQ__)
+  return reinterpret_cast<Vec16f>(_mm512_broadcast_f32x8(_mm256_loadu_ps(p)));
+#else
+  Vec16f out;
+  std::memcpy(&out, p, 8 * sizeof(float));
+  std::memcpy(reinterpret_cast<float*>(&out) + 8, p, 8 * sizeof(float));
+  return out;
+#endif
+}
+
+inline void halves(Vec16f v, Vec8<float>& low, Vec8<float>& high) {
+#if defined(__AVX512F__)
+  const __m512 wide = reinterpret_cast<__m512>(v);
+  low = reinterpret_cast<Vec8<float>>(_mm512_castps512_ps256(wide));
+  high = reinterpret_cast<Vec8<float>>(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide), 1)));
+#else
+  std::memcpy(&low, &v, sizeof low);
+  std::memcpy(&high, reinterpret_cast<const float*>(&v) + 8, sizeof high);
 #endif
 }
 
@@ -865,8 +893,6 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
         ws.weights_t2.resize(F * fin);
         for (index_t q = 0; q < fin; ++q)
           for (index_t f = 0; f < F; ++f) ws.weights_t2[f * fin + q] = Wk[q * F + f];
-        // Up to 8 outputs at a time, their sums side by side (independent chains of additions), then each summed
-        // across its lanes by sum8_each, in sum8's order.
         if constexpr (kWideVectors && std::is_same_v<T, float>) {
           if (F <= 8) {
             // Two outputs per 16-lane vector: the weights of outputs 2m and 2m + 1 for each chunk of 8 inputs side
@@ -881,21 +907,19 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
               const T* hj = c.head_input(k, S * fin) + j * fin;
               Vec16f acc[4] = {};
               for (index_t q = 0; q < fin; q += 8) {
-                const Vec8<T> h8 = load8(hj + q);
-                const Vec16f h = __builtin_shufflevector(h8, h8, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+                const Vec16f h = twice(hj + q);
                 for (index_t m = 0; m < pairs; ++m) acc[m] += h * load16(ws.weight_pairs.data() + (m * fin + q) * 2);
               }
-              Vec8<T> halves[8] = {};
-              for (index_t m = 0; m < pairs; ++m) {
-                halves[2 * m] = __builtin_shufflevector(acc[m], acc[m], 0, 1, 2, 3, 4, 5, 6, 7);
-                halves[2 * m + 1] = __builtin_shufflevector(acc[m], acc[m], 8, 9, 10, 11, 12, 13, 14, 15);
-              }
-              const Vec8<T> sums = sum8_each<T>(halves);
+              Vec8<T> by_output[8] = {};  // output f's 8 lanes
+              for (index_t m = 0; m < pairs; ++m) halves(acc[m], by_output[2 * m], by_output[2 * m + 1]);
+              const Vec8<T> sums = sum8_each<T>(by_output);
               for (index_t f = 0; f < F; ++f) c.g[(k * S + j) * F + f] = sums[f];
             }
             continue;
           }
         }
+        // Up to 8 outputs at a time, their sums side by side (independent chains of additions), then each summed
+        // across its lanes by sum8_each, in sum8's order.
         for (index_t j = 0; j < S; ++j) {
           const T* hj = c.head_input(k, S * fin) + j * fin;
           for (index_t f0 = 0; f0 < F; f0 += 8) {
