@@ -888,11 +888,8 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
     for (index_t k = 0; k < H; ++k) {
       const T* Wk = w.W + k * fin * F;
       if (fin % 8 == 0) {
-        // W^k transposed [F', F_in]: each output is a dot product of two contiguous rows, summed in 8 lanes
-        // and then across them, always in this order.
-        ws.weights_t2.resize(F * fin);
-        for (index_t q = 0; q < fin; ++q)
-          for (index_t f = 0; f < F; ++f) ws.weights_t2[f * fin + q] = Wk[q * F + f];
+        // Each output is a dot product of W^k's column with the input row, summed in 8 lanes and then across them,
+        // always in this order.
         if constexpr (kWideVectors && std::is_same_v<T, float>) {
           if (F <= 8) {
             // Two outputs per 16-lane vector: the weights of outputs 2m and 2m + 1 for each chunk of 8 inputs side
@@ -901,7 +898,7 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
             ws.weight_pairs.assign(4 * fin * 2, T(0));
             for (index_t f = 0; f < F; ++f)
               for (index_t q = 0; q < fin; ++q)
-                ws.weight_pairs[((f / 2) * fin + q / 8 * 8) * 2 + f % 2 * 8 + q % 8] = ws.weights_t2[f * fin + q];
+                ws.weight_pairs[((f / 2) * fin + q / 8 * 8) * 2 + f % 2 * 8 + q % 8] = Wk[q * F + f];
             const index_t pairs = (F + 1) / 2;
             for (index_t j = 0; j < S; ++j) {
               const T* hj = c.head_input(k, S * fin) + j * fin;
@@ -918,6 +915,10 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
             continue;
           }
         }
+        // W^k transposed [F', F_in]: each output's weights in one contiguous row.
+        ws.weights_t2.resize(F * fin);
+        for (index_t q = 0; q < fin; ++q)
+          for (index_t f = 0; f < F; ++f) ws.weights_t2[f * fin + q] = Wk[q * F + f];
         // Up to 8 outputs at a time, their sums side by side (independent chains of additions), then each summed
         // across its lanes by sum8_each, in sum8's order.
         for (index_t j = 0; j < S; ++j) {
