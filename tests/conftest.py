@@ -411,6 +411,20 @@ WITH_DEFAULT_SIGNALS = [sys.executable, "-c", "import os, signal, sys; signal.si
                         "signal.signal(signal.SIGHUP, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (a CI runner's timeout, `kill PID`) stops the suite as Ctrl-C does, so pytest tears the fixtures down
+    and the servers and clusters they started stop with it. Python's default action ends the process at once and
+    leaves them running: a PostgreSQL started by `pg_ctl` under `runuser` outlives its parent. A second SIGTERM, during
+    the teardown, ends the process at once."""
+    import signal
+
+    def interrupt(signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
