@@ -33,10 +33,15 @@ class Runner:
 
     train_step() -> training loss [R]; eval_pass() -> (validation loss [R], validation accuracy [R]),
     R = the number of replicas (seeds) trained at once, 1 for the references.
+
+    A native loop runs its validation pass inside the training call (one epoch per call): its eval_pass only
+    returns that pass's results, and eval_inside_step() says how many ms of the last train_step() the pass took,
+    which the timing moves from the step's time to the eval's.
     """
 
     train_step: Callable[[], Tensor]
     eval_pass: Callable[[], tuple[Tensor, Tensor]]
+    eval_inside_step: Callable[[], float] | None = None
 
 
 def build_engine(graph: Graph, seeds: Sequence[int] = (0,), per_epoch_validation: bool = False,
@@ -76,17 +81,46 @@ def build_fused(graph: Graph, seeds: Sequence[int] = (0,)) -> Runner:
     The eval pass is the per-epoch validation pass (validation nodes' receptive field, no dropout):
     the fused kernel does not replace `evaluate`'s whole-graph pass, which runs once per trained model.
     """
+    model, train_view, val_view = fused_setup(graph, seeds)
+    paper = protocol()
+    noise = ReplicaDropout(seeds, paper.model.dropout)
+    trainer = fused.FusedTrainer(model, paper.optim.lr, paper.optim.weight_decay, train_view, val_view)
+    return Runner(lambda: trainer.step(noise)[0], trainer.validate)
+
+
+def fused_setup(graph: Graph, seeds: Sequence[int]) -> tuple[GAT, NodeView, NodeView]:
+    """The paper's Cora model for `seeds` and its two views (training, validation), once the fused kernel is built."""
     reason = fused.unavailable_reason()
     if reason is not None:
         raise StageError(f"the fused kernel is unavailable ({reason}): run `make bench`, which builds it")
-    paper = protocol()
     tensors = GraphTensors.from_graph(graph)
-    model = GAT(paper.model, tensors.x.num_features, tensors.num_classes, seeds)
-    noise = ReplicaDropout(seeds, paper.model.dropout)
-    trainer = fused.FusedTrainer(model, paper.optim.lr, paper.optim.weight_decay,
-                                 NodeView.of(tensors, tensors.train_idx, model.n_layers),
-                                 NodeView.of(tensors, tensors.val_idx, model.n_layers))
-    return Runner(lambda: trainer.step(noise)[0], trainer.validate)
+    model = GAT(protocol().model, tensors.x.num_features, tensors.num_classes, seeds)
+    return (model, NodeView.of(tensors, tensors.train_idx, model.n_layers),
+            NodeView.of(tensors, tensors.val_idx, model.n_layers))
+
+
+def build_native_loop(graph: Graph, seeds: Sequence[int]) -> Runner:
+    """The fused kernel's native loop (gat.fused.SeedLanes, lanes of 1, one thread), as `reproduce` runs a batch:
+    each call is one epoch of every seed, the training step and then the validation pass, timed apart by the
+    kernel's own clock (SeedLanes.validation_seconds). Patience and max_epochs are out of reach, so every seed
+    trains in every call."""
+    model, train_view, val_view = fused_setup(graph, seeds)
+    paper, endless = protocol(), 2**40
+    run = fused.SeedLanes(model, paper.optim.lr, paper.optim.weight_decay, endless, endless, train_view, val_view,
+                          ReplicaDropout(seeds, paper.model.dropout), lanes=1, threads=1)
+    validation = [run.validation_seconds]  # the clock's reading after the last call
+
+    def epoch() -> Tensor:
+        if run.tick() != len(seeds):
+            raise RuntimeError("a seed of the native loop stopped, so a call no longer times every seed")
+        return torch.from_numpy(run.train_loss.copy())
+
+    def eval_inside_step() -> float:
+        before, validation[0] = validation[0], run.validation_seconds
+        return (validation[0] - before) * 1e3
+
+    return Runner(epoch, lambda: (torch.from_numpy(run.val_loss.copy()), torch.from_numpy(run.val_acc.copy())),
+                  eval_inside_step)
 
 
 class PygGAT(nn.Module):

@@ -235,6 +235,9 @@ def load(path: Path) -> Any:
     lib.gat_lanes_new.restype = pointer
     lib.gat_lanes_tick.argtypes = [pointer] * 6
     lib.gat_lanes_tick.restype = ctypes.c_int64
+    if hasattr(lib, "gat_lanes_validation_ns"):  # older revisions' libraries (benchmarks.kernel_ab) lack it
+        lib.gat_lanes_validation_ns.argtypes = [pointer]
+        lib.gat_lanes_validation_ns.restype = ctypes.c_int64
     lib.gat_lanes_free.argtypes = [pointer]
     lib.gat_lanes_free.restype = None
     return lib
@@ -546,6 +549,14 @@ class SeedLanes:
         if trained < 0:
             raise RuntimeError("the fused kernel failed in an epoch of the lanes (out of memory?)")
         return int(trained)
+
+    @property
+    def validation_seconds(self) -> float:
+        """Time the ticks so far spent in validation passes, summed over threads (the rest is the training steps
+        and the early-stopping bookkeeping)."""
+        if not self._run:
+            raise RuntimeError("this SeedLanes run is closed")
+        return self.lib.gat_lanes_validation_ns(self._run) / 1e9
 
     def close(self) -> None:
         """Free the native run (its lanes' parameters and moments); the checkpoints and results stay."""

@@ -524,6 +524,31 @@ def test_a_lane_run_keeps_its_dropout_generators_alive(small_graph: GraphTensors
         assert torch.equal(kept, dropped)
 
 
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_a_native_run_clocks_its_validation_passes_inside_the_ticks(small_graph: GraphTensors, lanes: int) -> None:
+    """SeedLanes.validation_seconds (how the benchmark times the validation pass `reproduce` runs): nothing before
+    the first tick, then a share of the ticks' wall time that grows with every tick."""
+    import time
+
+    model = GAT(SMALL, small_graph.x.num_features, small_graph.num_classes, SEEDS)
+    run = fused.SeedLanes(model, 0.005, 5e-4, 30, 30, NodeView.of(small_graph, small_graph.train_idx, 2),
+                          NodeView.of(small_graph, small_graph.val_idx, 2), ReplicaDropout(SEEDS, SMALL.dropout),
+                          lanes=lanes)
+    try:
+        assert run.validation_seconds == 0.0
+        readings = []
+        start = time.perf_counter()
+        for _ in range(3):
+            run.tick()
+            readings.append(run.validation_seconds)
+        elapsed = time.perf_counter() - start
+        assert 0.0 < readings[0] < readings[1] < readings[2] < elapsed  # one thread: a part of the ticks
+    finally:
+        run.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        _ = run.validation_seconds
+
+
 def _draw_words(drop: object, replica: int, count: int) -> tuple[int, list[int]]:
     """fused.cpp's gat_draw_words (a hook for these tests, not in gat.fused.load's list, which older commits' kernels
     must pass for benchmarks.kernel_ab): whether the words came inline, and the words."""
