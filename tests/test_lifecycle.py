@@ -399,6 +399,23 @@ def test_started_workers_import_the_jobs_modules_before_any_job(tmp_path: Path, 
     assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S)
 
 
+def test_a_preload_that_fails_to_import_is_one_line_naming_the_module(tmp_path: Path, cleanup: Cleanup) -> None:
+    """A worker whose preload module raises on import: the first job says which module and why, in one line (exit
+    2), where the broken pool used to say that a worker had died; no traceback, no process left."""
+    (tmp_path / "imported_by_workers.py").write_text('raise ImportError("built for another Python")\n')
+    stage = STARTED_POOL_STAGE.replace("deadline = time.monotonic() + 30", "deadline = time.monotonic()")  # no wait
+    process, out, err = _start(stage, tmp_path)
+    try:
+        cleanup.watch(process.pid)
+        assert process.wait(timeout=START_S) == 2, err.read_text()
+        assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S)
+    finally:
+        process.kill()
+    assert err.read_text() == ("error: a worker process could not import imported_by_workers (ImportError: built for "
+                               "another Python): fix it, then rerun the stage\n")
+    assert _lines(out, "results") == []
+
+
 def test_a_pool_whose_jobs_are_done_kills_its_idle_workers(tmp_path: Path, cleanup: Cleanup) -> None:
     """WorkerPool.close with every job done: the idle workers are killed, not left to run the interpreter's teardown
     (an atexit handler of theirs never runs), which the stage would wait for."""

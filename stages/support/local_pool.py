@@ -92,12 +92,29 @@ def _die_with_parent(parent_pid: int) -> None:
         exit_with_parent(parent_pid)
 
 
+# In a worker: why one of the pool's `preload` modules did not import, which each of its jobs then raises (_job).
+_PRELOAD_FAILED: str | None = None
+
+
 def _start_worker(parent_pid: int, preload: Sequence[str]) -> None:
+    global _PRELOAD_FAILED
     for signum in _GROUP_SIGNALS:  # held since the worker was started; ignored for good
         signal.signal(signum, signal.SIG_IGN)
     _die_with_parent(parent_pid)
     for module in preload:  # armed first: a parent that dies meanwhile takes the worker with it
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # an initializer's exception would only break the pool: "a worker died"
+            _PRELOAD_FAILED = (f"a worker process could not import {module} ({type(error).__name__}: {error}): "
+                               "fix it, then rerun the stage")
+            return
+
+
+def _job(function: Callable[..., Any], *args: Any) -> Any:
+    """What a worker runs for each job: `function(*args)`, or the one-line error of a preload that failed."""
+    if _PRELOAD_FAILED is not None:
+        fail(_PRELOAD_FAILED)
+    return function(*args)
 
 
 def _spawned() -> None:
@@ -179,7 +196,7 @@ class WorkerPool:
         # The first submit starts the workers; they need the main module only for a job defined there.
         main_needed = getattr(function, "__module__", "__main__") == "__main__"
         with _group_signals_held(), contextlib.nullcontext() if main_needed else main_module_hidden():
-            future = self._executor.submit(function, *args)
+            future = self._executor.submit(_job, function, *args)
         self._futures.append(future)
         return future
 
