@@ -370,12 +370,14 @@ def cleanup() -> Iterable[Cleanup]:
 
 # ------------------------------------------------------------------------------------- worker pool level
 
-def _run_to_exit(script: str, tmp_path: Path, cleanup: Cleanup, *args: str) -> tuple[subprocess.Popen, Path]:
-    """Run `script` until it exits, which must be with 0; the process and its stdout file."""
+def _run_to_exit(script: str, tmp_path: Path, cleanup: Cleanup, *args: str,
+                 exit_code: int = 0) -> tuple[subprocess.Popen, Path]:
+    """Run `script` until it exits, which must be with `exit_code`; the process and its stdout file (its stderr is
+    tmp_path / "stderr.txt")."""
     process, out, err = _start(script, tmp_path, *args)
     try:
         cleanup.watch(process.pid)
-        assert process.wait(timeout=START_S) == 0, err.read_text()
+        assert process.wait(timeout=START_S) == exit_code, err.read_text()
     finally:
         process.kill()
     return process, out
@@ -404,15 +406,11 @@ def test_a_preload_that_fails_to_import_is_one_line_naming_the_module(tmp_path: 
     2), where the broken pool used to say that a worker had died; no traceback, no process left."""
     (tmp_path / "imported_by_workers.py").write_text('raise ImportError("built for another Python")\n')
     stage = STARTED_POOL_STAGE.replace("deadline = time.monotonic() + 30", "deadline = time.monotonic()")  # no wait
-    process, out, err = _start(stage, tmp_path)
-    try:
-        cleanup.watch(process.pid)
-        assert process.wait(timeout=START_S) == 2, err.read_text()
-        assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S)
-    finally:
-        process.kill()
-    assert err.read_text() == ("error: a worker process could not import imported_by_workers (ImportError: built for "
-                               "another Python): fix it, then rerun the stage\n")
+    _, out = _run_to_exit(stage, tmp_path, cleanup, exit_code=2)
+    assert _poll(lambda: not _alive(cleanup.seen.values()), REAP_S)
+    assert (tmp_path / "stderr.txt").read_text() == ("error: a worker process could not import imported_by_workers "
+                                                     "(ImportError: built for another Python): fix it, then rerun "
+                                                     "the stage\n")
     assert _lines(out, "results") == []
 
 
