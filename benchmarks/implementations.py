@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from benchmarks.data import protocol
 from gat import dense_reference, fused
-from gat.config import Attention
+from gat.config import Attention, Setup
 from gat.data import Graph
 from gat.dropout import ReplicaDropout
 from gat.graph import Neighbourhoods
@@ -81,20 +81,20 @@ def build_fused(graph: Graph, seeds: Sequence[int] = (0,)) -> Runner:
     The eval pass is the per-epoch validation pass (validation nodes' receptive field, no dropout):
     the fused kernel does not replace `evaluate`'s whole-graph pass, which runs once per trained model.
     """
-    model, train_view, val_view = fused_setup(graph, seeds)
     paper = protocol()
+    model, train_view, val_view = fused_setup(graph, seeds, paper)
     noise = ReplicaDropout(seeds, paper.model.dropout)
     trainer = fused.FusedTrainer(model, paper.optim.lr, paper.optim.weight_decay, train_view, val_view)
     return Runner(lambda: trainer.step(noise)[0], trainer.validate)
 
 
-def fused_setup(graph: Graph, seeds: Sequence[int]) -> tuple[GAT, NodeView, NodeView]:
-    """The paper's Cora model for `seeds` and its two views (training, validation), once the fused kernel is built."""
+def fused_setup(graph: Graph, seeds: Sequence[int], paper: Setup) -> tuple[GAT, NodeView, NodeView]:
+    """`paper`'s model for `seeds` and its two views (training, validation), once the fused kernel is built."""
     reason = fused.unavailable_reason()
     if reason is not None:
         raise StageError(f"the fused kernel is unavailable ({reason}): run `make bench`, which builds it")
     tensors = GraphTensors.from_graph(graph)
-    model = GAT(protocol().model, tensors.x.num_features, tensors.num_classes, seeds)
+    model = GAT(paper.model, tensors.x.num_features, tensors.num_classes, seeds)
     return (model, NodeView.of(tensors, tensors.train_idx, model.n_layers),
             NodeView.of(tensors, tensors.val_idx, model.n_layers))
 
@@ -104,8 +104,8 @@ def build_native_loop(graph: Graph, seeds: Sequence[int]) -> Runner:
     each call is one epoch of every seed, the training step and then the validation pass, timed apart by the
     kernel's own clock (SeedLanes.validation_seconds). Patience and max_epochs are out of reach, so every seed
     trains in every call."""
-    model, train_view, val_view = fused_setup(graph, seeds)
     paper, endless = protocol(), 2**40
+    model, train_view, val_view = fused_setup(graph, seeds, paper)
     run = fused.SeedLanes(model, paper.optim.lr, paper.optim.weight_decay, endless, endless, train_view, val_view,
                           ReplicaDropout(seeds, paper.model.dropout), lanes=1, threads=1)
     validation = [run.validation_seconds]  # the clock's reading after the last call
