@@ -654,6 +654,28 @@ inline void sparse_row_product(index_t begin, index_t end, const T* x, const Lay
   }
 }
 
+// body(q, e) for the P neighbourhoods q of consecutive targets (n[q] edges each) and their edges e: first the edges
+// that all P have, the P neighbourhoods in turn within each, then each one's remaining edges. Each neighbourhood's
+// edges keep their order, so a sum over one runs as it would alone; the P sums' chains of dependent adds overlap.
+template <int P, typename Body>
+inline void interleaved_edges(const index_t (&n)[P], Body body) {
+  index_t common = n[0];
+  for (int q = 1; q < P; ++q) common = std::min(common, n[q]);
+  for (index_t e = 0; e < common; ++e)
+    for (int q = 0; q < P; ++q) body(q, e);
+  for (int q = 0; q < P; ++q)
+    for (index_t e = common; e < n[q]; ++e) body(q, e);
+}
+
+// A layer's targets, G consecutive ones at a time, then one at a time: visit(count, i0) with count a
+// std::integral_constant of how many targets start at i0.
+template <int G, typename Visit>
+inline void in_groups(index_t targets, Visit visit) {
+  index_t i = 0;
+  for (; i + G <= targets; i += G) visit(std::integral_constant<int, G>{}, i);
+  for (; i < targets; ++i) visit(std::integral_constant<int, 1>{}, i);
+}
+
 // The paper's first layer past g in a validation or test pass (no dropout, nothing kept for a backward pass): per
 // target, its edges' scores, softmax and weighted sum, and the ELU, written to `output` [Tn, 64] at once. Each value
 // takes the operations of first_layer_attention and layer_forward's ELU in the same order, so the bytes are theirs;
@@ -667,32 +689,61 @@ void first_layer_inference(const Problem& p, const LayerParams<T>& w, Workspace<
   const V zero = {}, slopes = zero + static_cast<T>(p.negative_slope);
   index_t degree = 0;
   for (index_t i = 0; i < Tn; ++i) degree = std::max(degree, b.crow[i + 1] - b.crow[i]);
-  ws.alpha8.resize(degree * 8);
-  T* alpha = ws.alpha8.data();  // one neighbourhood's α, edge-major [degree, 8]
+  // With 16-lane vectors, two targets at a time: their chains of dependent maxima and sums overlap (the weighted
+  // sums, two heads to a vector, 4 chains a target, would otherwise wait on each other's adds). With 8 lanes the two
+  // targets' 16 sums would not fit in the 16 registers, so one at a time. Each target's own operations and their
+  // order are the same either way, so are its bytes.
+  constexpr int G = kWideVectors && std::is_same_v<T, float> ? 2 : 1;
+  ws.alpha8.resize(G * degree * 8);  // G neighbourhoods' α
   GAT_PHASE(timer, kValAggregate);
-  for (index_t i = 0; i < Tn; ++i) {
-    const index_t begin = b.crow[i], n = b.crow[i + 1] - begin;
-    const V st = load8(ws.s_target.data() + i * 8);
-    V shift = zero - T(INFINITY);
-    for (index_t e = 0; e < n; ++e) {
-      const V ze = st + load8(ws.s_source.data() + b.source[begin + e] * 8);
+  in_groups<G>(Tn, [&](auto count, index_t i0) {
+    constexpr int P = decltype(count)::value;
+    index_t begin[P], n[P];
+    T* alpha[P];  // the P neighbourhoods' α one after the other, edge-major [n, 8] each
+    for (int q = 0; q < P; ++q) {
+      begin[q] = b.crow[i0 + q];
+      n[q] = b.crow[i0 + q + 1] - begin[q];
+      alpha[q] = q == 0 ? ws.alpha8.data() : alpha[q - 1] + n[q - 1] * 8;
+    }
+    V st[P], shift[P], total[P];
+    for (int q = 0; q < P; ++q) {
+      st[q] = load8(ws.s_target.data() + (i0 + q) * 8);
+      shift[q] = zero - T(INFINITY);
+      total[q] = zero;
+    }
+    interleaved_edges(n, [&](int q, index_t e) {
+      const V ze = st[q] + load8(ws.s_source.data() + b.source[begin[q] + e] * 8);
       const V leaky = ze > zero ? ze : ze * slopes;
-      store8(alpha + e * 8, leaky);
-      shift = shift < leaky ? leaky : shift;
+      store8(alpha[q] + e * 8, leaky);
+      shift[q] = shift[q] < leaky ? leaky : shift[q];  // std::max's rule, lane by lane
+    });
+    for (int q = 0; q < P; ++q)
+      for (index_t e = 0; e < n[q]; ++e) store8(alpha[q] + e * 8, load8(alpha[q] + e * 8) - shift[q]);
+    exp_inplace(alpha[0], (alpha[P - 1] + n[P - 1] * 8 - alpha[0]));  // the P neighbourhoods' α are contiguous
+    interleaved_edges(n, [&](int q, index_t e) { total[q] += load8(alpha[q] + e * 8); });
+    for (int q = 0; q < P; ++q)
+      for (index_t e = 0; e < n[q]; ++e) store8(alpha[q] + e * 8, load8(alpha[q] + e * 8) / total[q]);
+    T* out = output + i0 * 64;  // the P targets' rows [P, 64]
+    if constexpr (kWideVectors && std::is_same_v<T, float>) {
+      Vec16f acc[P][4] = {};  // heads 2m and 2m + 1: lanes 0-7 and 8-15
+      interleaved_edges(n, [&](int q, index_t e) {
+        const T* gj = c.g.data() + b.source[begin[q] + e] * 64;
+        const V a = load8(alpha[q] + e * 8);
+        for (int m = 0; m < 4; ++m) acc[q][m] += lane_pair_everywhere(a, m) * load16(gj + m * 16);
+      });
+      for (int q = 0; q < P; ++q)
+        for (int m = 0; m < 4; ++m) store16(out + q * 64 + m * 16, acc[q][m] + load16(w.bias + m * 16));
+    } else {
+      V acc[P][8] = {};  // head k
+      interleaved_edges(n, [&](int q, index_t e) {
+        const T* gj = c.g.data() + b.source[begin[q] + e] * 64;
+        for (int k = 0; k < 8; ++k) acc[q][k] += broadcast8(alpha[q] + e * 8 + k) * load8(gj + k * 8);
+      });
+      for (int q = 0; q < P; ++q)
+        for (int k = 0; k < 8; ++k) store8(out + q * 64 + k * 8, acc[q][k] + load8(w.bias + k * 8));
     }
-    for (index_t e = 0; e < n; ++e) store8(alpha + e * 8, load8(alpha + e * 8) - shift);
-    exp_inplace(alpha, n * 8);
-    V total = zero;
-    for (index_t e = 0; e < n; ++e) total += load8(alpha + e * 8);
-    for (index_t e = 0; e < n; ++e) store8(alpha + e * 8, load8(alpha + e * 8) / total);
-    V acc[8] = {};
-    for (index_t e = 0; e < n; ++e) {
-      const T* gj = c.g.data() + b.source[begin + e] * 64;
-      for (int k = 0; k < 8; ++k) acc[k] += broadcast8(alpha + e * 8 + k) * load8(gj + k * 8);
-    }
-    for (int k = 0; k < 8; ++k) store8(output + i * 64 + k * 8, acc[k] + load8(w.bias + k * 8));
-    elu_inplace(output + i * 64, 64);
-  }
+    elu_inplace(out, P * 64);
+  });
 }
 
 // The attention of the paper's first layer (8 heads of 8 features), its dropout and its aggregation into c.pre,
