@@ -562,10 +562,13 @@ def _draw_words(drop: object, replica: int, count: int) -> tuple[int, list[int]]
     return draw(ctypes.addressof(drop), replica, count, words.ctypes.data), words.tolist()
 
 
-@pytest.mark.parametrize("count", [1, 2, 3, 256, 1001])  # the first word alone; each chain last; long runs
+# The first word alone; each chain last; the longest run without vector lanes (32), then 16 lanes for one jump with
+# no, one and two words after it (33-35, AVX-512 builds); long runs.
+@pytest.mark.parametrize("count", [1, 2, 3, 32, 33, 34, 35, 256, 1001])
 def test_the_kernel_draws_numpys_pcg64_words_without_a_call_per_word(count: int) -> None:
-    """The masks' words come from PCG64 stepped inline (two chains of every other state): the same words as numpy's
-    random_raw on a twin generator, the generator left in the same state, the other replica's untouched."""
+    """The masks' words come from PCG64 stepped inline (two chains of every other state, or 16 states in vector lanes
+    with AVX-512): the same words as numpy's random_raw on a twin generator, the generator left in the same state, the
+    other replica's untouched."""
     noise, twin = ReplicaDropout([3, 7], 0.6), ReplicaDropout([3, 7], 0.6)
     drop, _states = fused._dropout(noise)
     inline, words = _draw_words(drop, 1, count)

@@ -164,11 +164,48 @@ inline uint64_t pcg64_advance(unsigned __int128& state, unsigned __int128 multip
   return (xored >> rotation) | (xored << ((64 - rotation) & 63));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// 16 PCG64 states in two vectors' 64-bit lanes (high and low halves apart), each stepped 16 at a time by one
+// multiply-add of 128-bit integers mod 2^128 built from 64-bit lane operations: s·m = lo(s)·lo(m) + 2^64 (mulhi(lo(s),
+// lo(m)) + lo(s)·hi(m) + hi(s)·lo(m)), the 64 × 64 → 128 high half from four 32 × 32 → 64 products. Integers are
+// exact, so lane c gives the word a scalar step would, whatever the vector width.
+constexpr int kPcgLanes = 16;
+struct PcgLanes {
+  __m512i high[2], low[2];
+};
+struct PcgJump {  // (multiplier, increment) of 16 steps, broadcast: its halves and lo(m)'s two 32-bit halves
+  __m512i m_high, m_low, m_low0, m_low1, c_high, c_low;
+  PcgJump(unsigned __int128 m, unsigned __int128 c)
+      : m_high(_mm512_set1_epi64(static_cast<int64_t>(m >> 64))), m_low(_mm512_set1_epi64(static_cast<int64_t>(m))),
+        m_low0(_mm512_set1_epi64(static_cast<int64_t>(static_cast<uint32_t>(m)))),
+        m_low1(_mm512_set1_epi64(static_cast<int64_t>(static_cast<uint32_t>(m >> 32)))),
+        c_high(_mm512_set1_epi64(static_cast<int64_t>(c >> 64))), c_low(_mm512_set1_epi64(static_cast<int64_t>(c))) {}
+};
+
+// One jump of 8 states (high, low), and their 8 XSL-RR outputs.
+inline __m512i pcg64_lanes_advance(__m512i& high, __m512i& low, const PcgJump& j) {
+  const __m512i a = low, a1 = _mm512_srli_epi64(a, 32), low32 = _mm512_set1_epi64(0xFFFFFFFFll);
+  const __m512i p00 = _mm512_mul_epu32(a, j.m_low0), p01 = _mm512_mul_epu32(a, j.m_low1);
+  const __m512i p10 = _mm512_mul_epu32(a1, j.m_low0), p11 = _mm512_mul_epu32(a1, j.m_low1);
+  const __m512i middle = _mm512_add_epi64(_mm512_add_epi64(_mm512_srli_epi64(p00, 32), _mm512_and_si512(p01, low32)),
+                                          _mm512_and_si512(p10, low32));
+  const __m512i mulhi = _mm512_add_epi64(_mm512_add_epi64(p11, _mm512_srli_epi64(p01, 32)),
+                                         _mm512_add_epi64(_mm512_srli_epi64(p10, 32), _mm512_srli_epi64(middle, 32)));
+  const __m512i cross = _mm512_add_epi64(_mm512_mullo_epi64(a, j.m_high), _mm512_mullo_epi64(high, j.m_low));
+  low = _mm512_add_epi64(_mm512_mullo_epi64(a, j.m_low), j.c_low);
+  const __mmask8 carry = _mm512_cmplt_epu64_mask(low, j.c_low);
+  high = _mm512_add_epi64(_mm512_add_epi64(mulhi, cross), j.c_high);
+  high = _mm512_mask_add_epi64(high, carry, high, _mm512_set1_epi64(1));
+  return _mm512_rorv_epi64(_mm512_xor_si512(high, low), _mm512_srli_epi64(high, 58));  // rotation: state >> 122
+}
+#endif
+
 // `count` words of the replica's stream into `out` (8 bytes each, unaligned), as `count` calls of d.next would give
 // them, without a call per word: the states stay in registers, in two chains of every other state (s_i and s_{i+1},
-// each 2 steps at a time), so two multiplies run side by side; the words and the final state are the same. The
-// first word comes from d.next itself, and only if the inline step gave the same word and state do the others take
-// it (else each is a call, as before). Returns whether they did.
+// each 2 steps at a time), so two multiplies run side by side; with AVX-512 (DQ), long runs go 16 states at a time in
+// vector lanes instead. The words and the final state are the same. The first word comes from d.next itself, and
+// only if the inline step gave the same word and state do the others take it (else each is a call, as before).
+// Returns whether they did.
 inline bool draw_words(const Dropout& d, void* state, index_t count, uint8_t* out) {
   if (count == 0) return true;
   Pcg64Integers* pcg = static_cast<NumpyPcg64State*>(state)->pcg;
@@ -184,9 +221,39 @@ inline bool draw_words(const Dropout& d, void* state, index_t count, uint8_t* ou
     }
     return false;
   }
-  // Word w is the output of s_{w+1}; `before` is s_0 and `after` s_1: their chains give words 1, 3, ... and 2, 4, ...
-  const unsigned __int128 m2 = kPcg64Multiplier * kPcg64Multiplier, c2 = kPcg64Multiplier * inc + inc;
+  // Word w is the output of s_{w+1}; before each step below, `before` is s_{w-1} and `after` s_w.
   index_t w = 1;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  if (count - w >= 2 * kPcgLanes) {
+    // Words w to w + 15 one step at a time, their states s_{w+1} ... s_{w+16} into the lanes; then each jump of 16
+    // steps gives the next 16 words.
+    alignas(64) uint64_t high[kPcgLanes], low[kPcgLanes];
+    unsigned __int128 s = after, jump_m = 1, jump_c = 0;
+    for (int lane = 0; lane < kPcgLanes; ++lane) {
+      const uint64_t word = pcg64_advance(s, kPcg64Multiplier, inc);
+      std::memcpy(out + 8 * (w + lane), &word, 8);
+      high[lane] = static_cast<uint64_t>(s >> 64);
+      low[lane] = static_cast<uint64_t>(s);
+      jump_m *= kPcg64Multiplier;
+      jump_c = jump_c * kPcg64Multiplier + inc;
+    }
+    w += kPcgLanes;
+    const PcgJump jump(jump_m, jump_c);
+    __m512i lanes_high[2], lanes_low[2];
+    for (int v = 0; v < 2; ++v) {
+      lanes_high[v] = _mm512_load_si512(high + 8 * v);
+      lanes_low[v] = _mm512_load_si512(low + 8 * v);
+    }
+    for (; w + kPcgLanes <= count; w += kPcgLanes)
+      for (int v = 0; v < 2; ++v)
+        _mm512_storeu_si512(out + 8 * (w + 8 * v), pcg64_lanes_advance(lanes_high[v], lanes_low[v], jump));
+    _mm512_store_si512(high + 8, lanes_high[1]);
+    _mm512_store_si512(low + 8, lanes_low[1]);
+    before = static_cast<unsigned __int128>(high[14]) << 64 | low[14];  // lanes 14 and 15: s_{w-1} and s_w
+    after = static_cast<unsigned __int128>(high[15]) << 64 | low[15];
+  }
+#endif
+  const unsigned __int128 m2 = kPcg64Multiplier * kPcg64Multiplier, c2 = kPcg64Multiplier * inc + inc;
   for (; w + 2 <= count; w += 2) {
     const uint64_t a = pcg64_advance(before, m2, c2), b = pcg64_advance(after, m2, c2);
     std::memcpy(out + 8 * w, &a, 8);
@@ -200,6 +267,19 @@ inline bool draw_words(const Dropout& d, void* state, index_t count, uint8_t* ou
     pcg->state = after;
   }
   return true;
+}
+
+// The ties' decisions, in order: one word each from the stream, whose low 24 bits against the threshold's decide
+// (ReplicaDropout._kept). keep(i, kept) for each tie i; the words come inline, 64 at a time.
+template <typename Keep>
+inline void decide_ties(const Dropout& d, void* state, const std::vector<index_t>& ties, Keep keep) {
+  constexpr size_t kAtATime = 64;
+  uint64_t words[kAtATime];
+  for (size_t first = 0; first < ties.size(); first += kAtATime) {
+    const size_t n = std::min(kAtATime, ties.size() - first);
+    draw_words(d, state, static_cast<index_t>(n), reinterpret_cast<uint8_t*>(words));
+    for (size_t t = 0; t < n; ++t) keep(ties[first + t], (words[t] & 0xFFFFFFu) >= d.threshold_rest);
+  }
 }
 
 // The masks of ReplicaDropout.keep for `count` elements: an element is kept when a uniform 32-bit u is at
@@ -246,7 +326,7 @@ void draw_mask(const Dropout& d, void* state, index_t count, T* mask, std::vecto
       if (top == d.threshold_top) ties.push_back(base + b);
     }
   }
-  for (index_t i : ties) mask[i] = (d.next(state) & 0xFFFFFFu) >= d.threshold_rest ? scale : T(0);
+  decide_ties(d, state, ties, [&](index_t i, bool kept) { mask[i] = kept ? scale : T(0); });
 }
 
 // The keep decisions of ReplicaDropout.keep for `count` elements, one byte each (0xFF kept, 0x00 dropped), from
@@ -267,8 +347,9 @@ inline void draw_kept_bytes(const Dropout& d, void* state, index_t count, uint8_
     }
   }
   const uint8_t top = d.threshold_top;
-  for (index_t n = 0; n < count; ++n) out[n] = out[n] > top ? 0xFF : 0x00;
-  for (index_t n : ties) out[n] = (d.next(state) & 0xFFFFFFu) >= d.threshold_rest ? 0xFF : 0x00;
+  uint8_t* __restrict bytes = out;  // the only pointer the loop writes through: it vectorises
+  for (index_t n = 0; n < count; ++n) bytes[n] = bytes[n] > top ? 0xFF : 0x00;
+  decide_ties(d, state, ties, [&](index_t n, bool kept) { out[n] = kept ? 0xFF : 0x00; });
 }
 
 // The kernel's arrays start on a cache line (64 bytes). A node's 64 features (256 bytes), which the first layer
