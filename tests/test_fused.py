@@ -778,6 +778,101 @@ def test_a_stopped_loop_comparison_leaves_nothing_training(signum: int, tmp_path
         comparison.wait(timeout=10)
 
 
+# benchmarks.stage_ab: this checkout's whole reproduce stage against an earlier commit's ------------------------------
+
+def test_the_stage_comparison_refuses_no_rounds_or_a_folder_without_a_prepared_dataset(tmp_path: Path, capsys) -> None:
+    from benchmarks import stage_ab
+
+    for arguments, line in [
+        (["--rounds", "0", "--data", str(tmp_path)], "error: --rounds must be at least 1, not 0"),
+        (["--data", str(tmp_path)], f"error: {tmp_path} is not a prepared dataset (no graph.pt): run `make repro` "
+                                    "first, or pass the preprocess stage's output folder"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            stage_ab.main(["--against", "HEAD", *arguments])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.strip() == line
+
+
+def test_the_stage_comparison_names_a_missing_revision_in_one_line(tmp_path: Path, capsys) -> None:
+    from benchmarks import stage_ab
+
+    (tmp_path / "graph.pt").touch()
+    with pytest.raises(SystemExit) as stop:
+        stage_ab.main(["--against", "no-such-revision", "--data", str(tmp_path)])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip() == ("error: git has no commit 'no-such-revision': pass a commit of this "
+                                               "repository (e.g. `--against HEAD~1`)")
+
+
+@pytest.fixture
+def prepared_synthetic_cora(tmp_path: Path) -> Path:
+    from conftest import write_prepared_synthetic_cora
+
+    write_prepared_synthetic_cora(tmp_path, {"ind.cora.x": "0" * 64})
+    return tmp_path / "data/prepared/cora"
+
+
+@pytest.mark.slow
+def test_the_stage_comparison_runs_both_stages_in_turn_to_the_same_seeds(prepared_synthetic_cora: Path) -> None:
+    """HEAD's tree, unpacked with its kernel built aside, and this checkout each run the whole reproduce stage on the
+    same prepared data, tracking into their own stores: both write the same seeds.csv, whose epochs are the
+    seed-epochs counted, and the repository is left as it was."""
+    from benchmarks import stage_ab
+
+    def untracked_and_ignored() -> list[str]:  # but Python's bytecode caches, which imports may add
+        listed = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=REPO, capture_output=True, text=True)
+        return [line for line in listed.stdout.splitlines() if "__pycache__" not in line]
+
+    before = untracked_and_ignored()
+    compared = stage_ab.against_revision("HEAD", "cora", prepared_synthetic_cora, rounds=1)
+    assert {name: len(rates) for name, rates in compared["seed_epochs_per_s_samples"].items()} == {
+        "this checkout": 1, "HEAD": 1}
+    assert all(rate > 0 for rates in compared["seed_epochs_per_s_samples"].values() for rate in rates)
+    assert compared["same_seeds"] and len(compared["seed_epochs"]) == 1 and compared["seed_epochs"][0] >= 100
+    lines = stage_ab.summary(compared)
+    assert lines[-1] == f"the same seeds.csv in every run ({compared['seed_epochs'][0]} seed-epochs)"
+    assert lines[-2] == f"this checkout / HEAD = {compared['speedup']:.3f}"
+    assert untracked_and_ignored() == before
+
+
+@pytest.mark.slow
+def test_a_stopped_stage_comparison_leaves_no_stage_running(tmp_path: Path, prepared_synthetic_cora: Path) -> None:
+    """SIGTERM while a stage runs stops the comparison within seconds, in one line, with the stage, its worker
+    processes and the temporary folder gone."""
+    import psutil
+
+    command = [sys.executable, "-m", "benchmarks.stage_ab", "--against", "HEAD", "--rounds", "1",
+               "--data", str(prepared_synthetic_cora)]
+    comparison = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "TMPDIR": str(tmp_path)})
+    stages: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 240  # HEAD's kernel is built first
+        while time.monotonic() < deadline and comparison.poll() is None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                stage = [child for child in psutil.Process(comparison.pid).children()
+                         if "stages.reproduce" in child.cmdline()]
+                if stage and stage[0].children():  # its workers have started
+                    stages = [stage[0], *stage[0].children(recursive=True)]
+                    break
+            time.sleep(0.2)
+        assert stages, f"no stage with workers started: {comparison.poll()}"
+        comparison.send_signal(signal.SIGTERM)
+        _, stderr = comparison.communicate(timeout=20)
+        _, alive = psutil.wait_procs(stages, timeout=10)
+        assert not alive, alive
+        assert comparison.returncode == 128 + signal.SIGTERM
+        assert stderr.strip().splitlines()[-1] == ("error: interrupted by SIGTERM: stopping; the running stage is "
+                                                   "killed and the temporary folder removed.")
+        assert list(tmp_path.glob("gat-stage-ab-*")) == []
+    finally:
+        for process in [psutil.Process(comparison.pid), *stages] if comparison.poll() is None else stages:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        comparison.wait(timeout=10)
+
+
 def test_issue_22s_starting_point_is_a_commit_of_this_repository() -> None:
     """`make bench` compares this checkout with it (benchmarks.throughput.against_issue_22_start)."""
     from benchmarks import throughput

@@ -1,0 +1,143 @@
+"""A dataset's whole `reproduce` stage in this checkout against an earlier commit's, taking turns.
+
+    python -m benchmarks.stage_ab --against 1074697 --data data/prepared/cora     # issue 22's starting point
+
+Issue 22 counts its throughput in seed-epochs per CPU second of `reproduce`. `make bench` (benchmarks.train_ab) times
+the training loop alone; this times the stage itself: each side's own `python -m stages.reproduce`, with its own
+params.yaml, code and kernel (the older commit's tree from `git archive`, its kernel built aside), on the same
+prepared data (`make repro` writes data/prepared/cora). Each run tracks into its own SQLite store in a temporary
+folder and writes its outputs there; nothing is written in the repository.
+
+A run's CPU time is its whole process tree's, the worker processes included (getrusage of the waited children), and
+its seed-epochs are the `epochs` column of the seeds.csv it writes. Both sides must write the same seeds.csv. The
+sides take turns `--rounds` times, the order swapping each round. Prints each side's seed-epochs per CPU second and
+wall time, median [min-max], and the ratio of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+from benchmarks.kernel_ab import REPO_ROOT, turns
+from benchmarks.train_ab import build_older_kernel, die_with_this_process, side_environment, unpack_revision
+from gat import fused
+from stages.support import interrupts
+from stages.support.params import StageError
+
+
+def children_cpu_s() -> float:
+    """User and system CPU seconds of every waited child process so far (and of the children they waited)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def failure(ran: subprocess.CompletedProcess, what: str) -> StageError:
+    lines = (ran.stderr or ran.stdout or "").strip().splitlines() or ["?"]
+    return StageError(f"{what} failed: {lines[-1]}")
+
+
+def run_stage(tree: Path, fused_dir: Path | None, dataset: str, data: Path, folder: Path) -> dict:
+    """One run of `tree`'s reproduce stage on `data`, tracking into `folder`/mlflow.db (created first, untimed) and
+    writing to `folder`/out: its wall and CPU seconds, its seed-epochs and its seeds.csv's SHA-256."""
+    env = {**side_environment(fused_dir), "MLFLOW_TRACKING_URI": f"sqlite:///{folder / 'mlflow.db'}"}
+    store = subprocess.run([sys.executable, "-m", "tools.init_store"], cwd=tree, env=env, capture_output=True,
+                           text=True, preexec_fn=die_with_this_process)
+    if store.returncode != 0:
+        raise failure(store, f"creating the MLflow store in {folder}")
+    out = folder / "out"
+    command = [sys.executable, "-m", "stages.reproduce", "--dataset", dataset, "--data", str(data), "--out", str(out)]
+    cpu, start = children_cpu_s(), time.perf_counter()
+    ran = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, preexec_fn=die_with_this_process)
+    wall, cpu = time.perf_counter() - start, children_cpu_s() - cpu
+    if ran.returncode != 0:
+        raise failure(ran, f"the reproduce stage in {tree}")
+    seeds = (out / "seeds.csv").read_bytes()
+    epochs = sum(int(row["epochs"]) for row in csv.DictReader(seeds.decode().splitlines()))
+    return {"wall_s": wall, "cpu_s": cpu, "seed_epochs": epochs, "seeds_csv_sha256": hashlib.sha256(seeds).hexdigest()}
+
+
+def take_turns(sides: dict[str, tuple[Path, Path | None]], dataset: str, data: Path, rounds: int,
+               folder: Path) -> dict[str, list[dict]]:
+    """`rounds` runs of each side (name: (tree, kernel folder)), the order swapping every round."""
+    samples: dict[str, list[dict]] = {name: [] for name in sides}
+    for round_ in range(rounds):
+        for index, name in enumerate(turns(list(sides), round_)):
+            run_folder = folder / f"round{round_}-side{index}"
+            run_folder.mkdir()
+            samples[name].append(run_stage(*sides[name], dataset, data, run_folder))
+    return samples
+
+
+def comparison(samples: dict[str, list[dict]]) -> dict:
+    """Each side's seed-epochs per CPU second and wall seconds (samples and medians), the ratio of the first side's
+    median rate to the second's, and whether every run wrote the same seeds.csv."""
+    rates = {name: [run["seed_epochs"] / run["cpu_s"] for run in runs] for name, runs in samples.items()}
+    walls = {name: [run["wall_s"] for run in runs] for name, runs in samples.items()}
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    this, older = list(samples)
+    return {"clock": "CPU time of the stage's process tree", "seed_epochs_per_s_samples": rates,
+            "seed_epochs_per_s": medians, "wall_s_samples": walls, "speedup": medians[this] / medians[older],
+            "seed_epochs": sorted({run["seed_epochs"] for runs in samples.values() for run in runs}),
+            "same_seeds": len({run["seeds_csv_sha256"] for runs in samples.values() for run in runs}) == 1}
+
+
+def summary(compared: dict) -> list[str]:
+    """Lines: each side's rate and wall time, median [min-max], the ratio, and whether the seeds.csv files agree."""
+    lines = []
+    for name, rates in compared["seed_epochs_per_s_samples"].items():
+        walls = compared["wall_s_samples"][name]
+        wall = f"{statistics.median(walls):.1f} [{min(walls):.1f}-{max(walls):.1f}] s"
+        lines.append(f"{name}: {compared['seed_epochs_per_s'][name]:.0f} [{min(rates):.0f}-{max(rates):.0f}] "
+                     f"seed-epochs per CPU second, {wall} of wall time")
+    this, older = list(compared["seed_epochs_per_s"])
+    lines.append(f"{this} / {older} = {compared['speedup']:.3f}")
+    lines.append(f"the same seeds.csv in every run ({', '.join(map(str, compared['seed_epochs']))} seed-epochs)"
+                 if compared["same_seeds"] else "the seeds.csv files differ between runs")
+    return lines
+
+
+def against_revision(revision: str, dataset: str, data: Path, rounds: int) -> dict:
+    """This checkout's stage against `revision`'s (comparison), on the prepared `data`."""
+    reason = fused.unavailable_reason()
+    if reason is not None:
+        raise StageError(f"this checkout's fused kernel is unavailable ({reason}): build it with `make .venv/.fused`")
+    with tempfile.TemporaryDirectory(prefix="gat-stage-ab-") as name:
+        folder = Path(name)
+        tree = unpack_revision(revision, folder)
+        sides = {"this checkout": (REPO_ROOT, None), revision: (tree, build_older_kernel(tree, revision))}
+        compared = comparison(take_turns(sides, dataset, data.resolve(), rounds, folder))
+    return {"against": revision, "dataset": dataset, "rounds": rounds, **compared}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", required=True, help="the commit whose reproduce stage to compare with")
+    parser.add_argument("--data", type=Path, required=True, help="a preprocess output folder (data/prepared/cora)")
+    parser.add_argument("--dataset", default="cora", help="the dataset's name in params.yaml (default: cora)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per side, taking turns")
+    args = parser.parse_args(argv)
+
+    def run() -> None:
+        if args.rounds < 1:
+            raise StageError(f"--rounds must be at least 1, not {args.rounds}")
+        if not (args.data / "graph.pt").is_file():
+            raise StageError(f"{args.data} is not a prepared dataset (no graph.pt): run `make repro` first, or pass "
+                             "the preprocess stage's output folder")
+        print("\n".join(summary(against_revision(args.against, args.dataset, args.data, args.rounds))))
+
+    # SIGTERM, Ctrl-C or a dead parent: one line, the running stage killed, the temporary folder removed.
+    interrupts.main(run, stopping="stopping; the running stage is killed and the temporary folder removed.")
+
+
+if __name__ == "__main__":
+    main()
