@@ -49,7 +49,8 @@ def failure(ran: subprocess.CompletedProcess, what: str) -> StageError:
 def run_stage(tree: Path, fused_dir: Path | None, dataset: str, data: Path, folder: Path) -> dict:
     """One run of `tree`'s reproduce stage on `data`, tracking into `folder`/mlflow.db (created first, untimed) and
     writing to `folder`/out: its wall and CPU seconds, its seed-epochs and its seeds.csv's SHA-256."""
-    env = {**side_environment(fused_dir), "MLFLOW_TRACKING_URI": f"sqlite:///{folder / 'mlflow.db'}"}
+    # The user's thread settings, as `dvc repro` would run the stage; only the store is the run's own.
+    env = {**side_environment(fused_dir, one_thread=False), "MLFLOW_TRACKING_URI": f"sqlite:///{folder / 'mlflow.db'}"}
     store = subprocess.run([sys.executable, "-m", "tools.init_store"], cwd=tree, env=env, capture_output=True,
                            text=True, preexec_fn=die_with_this_process)
     if store.returncode != 0:

@@ -76,11 +76,13 @@ def unpack_revision(revision: str, folder: Path) -> Path:
     return tree
 
 
-def side_environment(fused_dir: Path | None) -> dict[str, str]:
-    """The environment of a measuring process: one thread, the side's default loop ($GAT_FUSED_LANES unset), and
-    its kernel in `fused_dir` (None: where this checkout's `make` put it)."""
+def side_environment(fused_dir: Path | None, one_thread: bool = True) -> dict[str, str]:
+    """The environment of a measuring process: one thread (unless not `one_thread`: then the user's settings, as a
+    stage gets them), the side's default loop ($GAT_FUSED_LANES unset), and its kernel in `fused_dir` (None: where
+    this checkout's `make` put it)."""
     env = {key: value for key, value in os.environ.items() if key != "GAT_FUSED_LANES"}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    if one_thread:
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     if fused_dir is not None:
         env["GAT_FUSED_DIR"] = str(fused_dir)
     return env
