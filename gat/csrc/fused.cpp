@@ -170,9 +170,6 @@ inline uint64_t pcg64_advance(unsigned __int128& state, unsigned __int128 multip
 // lo(m)) + lo(s)·hi(m) + hi(s)·lo(m)), the 64 × 64 → 128 high half from four 32 × 32 → 64 products. Integers are
 // exact, so lane c gives the word a scalar step would, whatever the vector width.
 constexpr int kPcgLanes = 16;
-struct PcgLanes {
-  __m512i high[2], low[2];
-};
 struct PcgJump {  // (multiplier, increment) of 16 steps, broadcast: its halves and lo(m)'s two 32-bit halves
   __m512i m_high, m_low, m_low0, m_low1, c_high, c_low;
   PcgJump(unsigned __int128 m, unsigned __int128 c)
