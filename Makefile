@@ -96,7 +96,8 @@ team-status: $(VENV)/.runtime
 team-remote: $(VENV)/.runtime
 	$(RUN) $(BIN)/python -m team remote
 
-## bench: time this engine against PyTorch Geometric and the dense tutorial layer on Cora
+## bench: time this engine against PyTorch Geometric and the dense tutorial layer on Cora, and the fused kernel's
+## training loop and whole reproduce stage against issue 22's starting point
 ## (from ../shared/datasets/planetoid, else from data/raw/cora, which `make repro` downloads)
 bench: $(VENV)/.dev $(VENV)/.fused
 	$(RUN) $(BIN)/python -m benchmarks.engine --out reports/benchmark.json

@@ -40,7 +40,8 @@ is measured as the baseline.
 
 This module is the command line; benchmarks.data finds Cora and reads the protocol, benchmarks.implementations
 builds the three implementations, benchmarks.timing times them and measures peaks, benchmarks.throughput
-compares the kernels as a reproduce worker runs them, and benchmarks.report writes the JSON and the table.
+compares the kernels as a reproduce worker runs them and, with benchmarks.stage_ab, Cora's whole reproduce stage
+with issue 22's starting point's (`--stage-rounds`), and benchmarks.report writes the JSON and the table.
 
 The raw Cora files come from `--data-dir`; by default from ../shared/datasets/planetoid when
 that folder exists, else from data/raw/cora, where `make repro` downloads them. They are checked
@@ -64,7 +65,8 @@ from benchmarks.data import DOWNLOADED_DATA_DIR, REPO_ROOT, SHARED_DATA_DIR, def
 from benchmarks.implementations import dense_node_count, dense_peak_bytes
 from benchmarks.report import (FUSED_TARGETS, NATIVE_LOOP_TARGETS, add_ratios, attention_variants, build_report,
                                check_targets, format_table, machine, summarise)
-from benchmarks.throughput import against_issue_22_start, lane_curve, reproduce_throughput
+from benchmarks.throughput import (against_issue_22_start, lane_curve, reproduce_throughput,
+                                   stage_against_issue_22_start)
 from benchmarks.timing import baseline_rss_mb, cases, measure, peak_of
 from stages.support.files import write_json
 from stages.support.params import StageError
@@ -106,6 +108,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--start-epochs", type=int, default=300,
                         help="epochs of each train() run of the comparison with issue 22's starting point (its own "
                              "code, from git); 0: skip it")
+    parser.add_argument("--stage-rounds", type=int, default=1,
+                        help="runs per side of Cora's whole reproduce stage against issue 22's starting point (its own "
+                             "code, from git; Cora prepared from --data-dir by the preprocess stage); 0: skip it")
     parser.add_argument("--no-verify", action="store_true", help="skip the checksum check of the raw files")
     parser.add_argument("--peak-of", help=argparse.SUPPRESS)  # internal: one fresh process per implementation
     return parser.parse_args(argv)
@@ -157,6 +162,11 @@ def run(args: argparse.Namespace) -> dict:
         log(f"seed-epochs per second against issue 22's starting point, {args.throughput_rounds} rounds")
         start = against_issue_22_start(args.data_dir, not args.no_verify, args.batched_seeds, args.start_epochs,
                                        args.throughput_rounds)
+    stage = None
+    if args.stage_rounds > 0:
+        log(f"seed-epochs per CPU second of Cora's whole reproduce stage against issue 22's starting point, "
+            f"{args.stage_rounds} round(s)")
+        stage = stage_against_issue_22_start(args.data_dir, args.stage_rounds)
     extra = {"command": " ".join(["python", "-m", "benchmarks.engine", *args.argv]),
              "fused_targets": check_targets(entries["fused"], FUSED_TARGETS),
              "fused_batched_targets": check_targets(entries["fused_batched"], FUSED_TARGETS),
@@ -165,6 +175,7 @@ def run(args: argparse.Namespace) -> dict:
              "reproduce_throughput": throughput,
              "lane_curve": curve,
              "against_issue_22_start": start,
+             "stage_against_issue_22_start": stage,
              "other_processes_cpu_share_during_timing": others,
              "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
              "dense_estimated_peak_gb": dense_peak_bytes(args.dense_nodes) / 2**30,

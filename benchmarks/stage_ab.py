@@ -1,12 +1,16 @@
 """A dataset's whole `reproduce` stage in this checkout against an earlier commit's, taking turns.
 
     python -m benchmarks.stage_ab --against 1074697 --data data/prepared/cora     # issue 22's starting point
+    python -m benchmarks.stage_ab --against 1074697 --raw ../shared/datasets/planetoid
 
 Issue 22 counts its throughput in seed-epochs per CPU second of `reproduce`. `make bench` (benchmarks.train_ab) times
 the training loop alone; this times the stage itself: each side's own `python -m stages.reproduce`, with its own
 params.yaml, code and kernel (the older commit's tree from `git archive`, its kernel built aside), on the same
-prepared data (`make repro` writes data/prepared/cora). Each run tracks into its own SQLite store in a temporary
-folder and writes its outputs there; nothing is written in the repository.
+prepared data: `--data`, a preprocess output folder (`make repro` writes data/prepared/cora), or else the raw
+Planetoid files in `--raw` (by default the machines' shared copy, else data/raw/cora), which this checkout's own
+preprocess stage prepares first, untimed, into the temporary folder. Each run tracks into its own SQLite store in a
+temporary folder and writes its outputs there; nothing is written in the repository. `make bench` runs it once for
+Cora against issue 22's starting point (benchmarks.throughput.stage_against_issue_22_start).
 
 A run's CPU time is its whole process tree's, the worker processes included (getrusage of the waited children), and
 its seed-epochs are the `epochs` column of the seeds.csv it writes. Both sides must write the same seeds.csv. The
@@ -28,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from benchmarks.data import default_data_dir
 from benchmarks.kernel_ab import REPO_ROOT, turns
 from benchmarks.train_ab import build_older_kernel, die_with_this_process, side_environment, unpack_revision
 from gat import fused
@@ -43,7 +48,22 @@ def children_cpu_s() -> float:
 
 def failure(ran: subprocess.CompletedProcess, what: str) -> StageError:
     lines = (ran.stderr or ran.stdout or "").strip().splitlines() or ["?"]
-    return StageError(f"{what} failed: {lines[-1]}")
+    return StageError(f"{what} failed: {lines[-1].removeprefix('error: ')}")  # the stages' one line, once
+
+
+def prepare(raw: Path, dataset: str, folder: Path) -> Path:
+    """`dataset` prepared from the raw files in `raw` by this checkout's preprocess stage, tracking into its own store
+    in `folder`: `folder`/prepared, what `make repro` writes to data/prepared/`dataset`."""
+    env = {**side_environment(None, one_thread=False), "MLFLOW_TRACKING_URI": f"sqlite:///{folder / 'prepare.db'}"}
+    prepared = folder / "prepared"
+    for command in ([sys.executable, "-m", "tools.init_store"],
+                    [sys.executable, "-m", "stages.preprocess", "--dataset", dataset, "--raw", str(raw.resolve()),
+                     "--out", str(prepared)]):
+        ran = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                             preexec_fn=die_with_this_process)
+        if ran.returncode != 0:
+            raise failure(ran, f"preparing {dataset} from {raw}")
+    return prepared
 
 
 def run_stage(tree: Path, fused_dir: Path | None, dataset: str, data: Path, folder: Path) -> dict:
@@ -107,13 +127,16 @@ def summary(compared: dict) -> list[str]:
     return lines
 
 
-def against_revision(revision: str, dataset: str, data: Path, rounds: int) -> dict:
-    """This checkout's stage against `revision`'s (comparison), on the prepared `data`."""
+def against_revision(revision: str, dataset: str, data: Path | None, rounds: int, raw: Path | None = None) -> dict:
+    """This checkout's stage against `revision`'s (comparison), on the prepared `data`, or else on `dataset` prepared
+    first (untimed) from the raw files in `raw` (by default benchmarks.data.default_data_dir()'s)."""
     reason = fused.unavailable_reason()
     if reason is not None:
         raise StageError(f"this checkout's fused kernel is unavailable ({reason}): build it with `make .venv/.fused`")
     with tempfile.TemporaryDirectory(prefix="gat-stage-ab-") as name:
         folder = Path(name)
+        if data is None:
+            data = prepare(raw or default_data_dir(), dataset, folder)
         tree = unpack_revision(revision, folder)
         sides = {"this checkout": (REPO_ROOT, None), revision: (tree, build_older_kernel(tree, revision))}
         compared = comparison(take_turns(sides, dataset, data.resolve(), rounds, folder))
@@ -123,7 +146,10 @@ def against_revision(revision: str, dataset: str, data: Path, rounds: int) -> di
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", required=True, help="the commit whose reproduce stage to compare with")
-    parser.add_argument("--data", type=Path, required=True, help="a preprocess output folder (data/prepared/cora)")
+    inputs = parser.add_mutually_exclusive_group()
+    inputs.add_argument("--data", type=Path, help="a preprocess output folder (data/prepared/cora)")
+    inputs.add_argument("--raw", type=Path, help="a folder of the raw Planetoid files, prepared first (default: the "
+                                                 "machines' shared copy, else data/raw/cora)")
     parser.add_argument("--dataset", default="cora", help="the dataset's name in params.yaml (default: cora)")
     parser.add_argument("--rounds", type=int, default=3, help="runs per side, taking turns")
     args = parser.parse_args(argv)
@@ -131,10 +157,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     def run() -> None:
         if args.rounds < 1:
             raise StageError(f"--rounds must be at least 1, not {args.rounds}")
-        if not (args.data / "graph.pt").is_file():
+        if args.data is not None and not (args.data / "graph.pt").is_file():
             raise StageError(f"{args.data} is not a prepared dataset (no graph.pt): run `make repro` first, or pass "
                              "the preprocess stage's output folder")
-        print("\n".join(summary(against_revision(args.against, args.dataset, args.data, args.rounds))))
+        if args.raw is not None and not args.raw.is_dir():
+            raise StageError(f"{args.raw} is not a folder: pass the folder of the raw Planetoid files "
+                             "(ind.cora.x, ...)")
+        compared = against_revision(args.against, args.dataset, args.data, args.rounds, args.raw)
+        print("\n".join(summary(compared)))
 
     # SIGTERM, Ctrl-C or a dead parent: one line, the running stage killed, the temporary folder removed.
     interrupts.main(run, stopping="stopping; the running stage is killed and the temporary folder removed.")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SYNTHETIC_LAYOUTS, PlanetoidFolder, write_synthetic_planetoid
 from test_training import assert_same_replica  # one definition of "the same run, bit for bit"
 
 from gat import fused
@@ -26,6 +27,7 @@ from gat.dropout import ReplicaDropout
 from gat.fused_check import CASES, check_double_precision, check_step, check_validation, checks, random_graph
 from gat.model import GAT
 from gat.training import GraphTensors, NodeView, train, train_step
+from stages.support.params import StageError
 from tools import build_fused
 
 REPO = Path(__file__).resolve().parents[1]
@@ -787,6 +789,8 @@ def test_the_stage_comparison_refuses_no_rounds_or_a_folder_without_a_prepared_d
         (["--rounds", "0", "--data", str(tmp_path)], "error: --rounds must be at least 1, not 0"),
         (["--data", str(tmp_path)], f"error: {tmp_path} is not a prepared dataset (no graph.pt): run `make repro` "
                                     "first, or pass the preprocess stage's output folder"),
+        (["--raw", str(tmp_path / "missing")], f"error: {tmp_path / 'missing'} is not a folder: pass the folder of the "
+                                               "raw Planetoid files (ind.cora.x, ...)"),
     ]:
         with pytest.raises(SystemExit) as stop:
             stage_ab.main(["--against", "HEAD", *arguments])
@@ -803,6 +807,27 @@ def test_the_stage_comparison_names_a_missing_revision_in_one_line(tmp_path: Pat
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip() == ("error: git has no commit 'no-such-revision': pass a commit of this "
                                                "repository (e.g. `--against HEAD~1`)")
+
+
+def test_the_stage_comparison_prepares_raw_files_with_the_preprocess_stage(tmp_path: Path,
+                                                                          planetoid_folder: PlanetoidFolder) -> None:
+    """Without --data, the raw files go through this checkout's own preprocess stage, checksums and all: the real
+    Cora becomes a prepared folder that the reproduce stage reads; other files stop it in one line naming them."""
+    from benchmarks import stage_ab
+    from stages.support.files import load_prepared
+
+    if planetoid_folder.real:
+        graph, meta = load_prepared(stage_ab.prepare(planetoid_folder.path, "cora", tmp_path), "cora")
+        assert (graph.num_nodes, graph.num_features, int(graph.train_idx.numel())) == (2708, 1433, 140)
+        assert meta["source_sha256"]["ind.cora.x"] == planetoid_folder.checksums["ind.cora.x"]
+    raw = tmp_path / "synthetic"
+    write_synthetic_planetoid(raw, "cora", **SYNTHETIC_LAYOUTS["cora"])
+    work = tmp_path / "refused"
+    work.mkdir()
+    with pytest.raises(StageError) as refused:
+        stage_ab.prepare(raw, "cora", work)
+    assert str(refused.value).startswith(f"preparing cora from {raw} failed: {raw / 'ind.cora.x'}: SHA-256 is ")
+    assert "\n" not in str(refused.value) and not (work / "prepared").exists()
 
 
 @pytest.fixture
