@@ -51,37 +51,41 @@ def failure(ran: subprocess.CompletedProcess, what: str) -> StageError:
     return StageError(f"{what} failed: {lines[-1].removeprefix('error: ')}")  # the stages' one line, once
 
 
+def tracked_environment(fused_dir: Path | None, store: Path) -> dict[str, str]:
+    """The user's thread settings, as `dvc repro` would run a stage, with the kernel in `fused_dir` (None: this
+    checkout's) and the SQLite store `store` of the run's own."""
+    return {**side_environment(fused_dir, one_thread=False), "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
+
+
+def run_module(arguments: list[str], tree: Path, env: dict[str, str], what: str) -> None:
+    """`python -m ARGUMENTS` in `tree`; StageError(`what` failed: its last line) if it fails."""
+    ran = subprocess.run([sys.executable, "-m", *arguments], cwd=tree, env=env, capture_output=True, text=True,
+                         preexec_fn=die_with_this_process)
+    if ran.returncode != 0:
+        raise failure(ran, what)
+
+
 def prepare(raw: Path, dataset: str, folder: Path) -> Path:
     """`dataset` prepared from the raw files in `raw` by this checkout's preprocess stage, tracking into its own store
     in `folder`: `folder`/prepared, what `make repro` writes to data/prepared/`dataset`."""
-    env = {**side_environment(None, one_thread=False), "MLFLOW_TRACKING_URI": f"sqlite:///{folder / 'prepare.db'}"}
-    prepared = folder / "prepared"
-    for command in ([sys.executable, "-m", "tools.init_store"],
-                    [sys.executable, "-m", "stages.preprocess", "--dataset", dataset, "--raw", str(raw.resolve()),
-                     "--out", str(prepared)]):
-        ran = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                             preexec_fn=die_with_this_process)
-        if ran.returncode != 0:
-            raise failure(ran, f"preparing {dataset} from {raw}")
+    env, prepared = tracked_environment(None, folder / "prepare.db"), folder / "prepared"
+    what = f"preparing {dataset} from {raw}"
+    run_module(["tools.init_store"], REPO_ROOT, env, what)
+    run_module(["stages.preprocess", "--dataset", dataset, "--raw", str(raw.resolve()), "--out", str(prepared)],
+               REPO_ROOT, env, what)
     return prepared
 
 
 def run_stage(tree: Path, fused_dir: Path | None, dataset: str, data: Path, folder: Path) -> dict:
     """One run of `tree`'s reproduce stage on `data`, tracking into `folder`/mlflow.db (created first, untimed) and
     writing to `folder`/out: its wall and CPU seconds, its seed-epochs and its seeds.csv's SHA-256."""
-    # The user's thread settings, as `dvc repro` would run the stage; only the store is the run's own.
-    env = {**side_environment(fused_dir, one_thread=False), "MLFLOW_TRACKING_URI": f"sqlite:///{folder / 'mlflow.db'}"}
-    store = subprocess.run([sys.executable, "-m", "tools.init_store"], cwd=tree, env=env, capture_output=True,
-                           text=True, preexec_fn=die_with_this_process)
-    if store.returncode != 0:
-        raise failure(store, f"creating the MLflow store in {folder}")
+    env = tracked_environment(fused_dir, folder / "mlflow.db")
+    run_module(["tools.init_store"], tree, env, f"creating the MLflow store in {folder}")
     out = folder / "out"
-    command = [sys.executable, "-m", "stages.reproduce", "--dataset", dataset, "--data", str(data), "--out", str(out)]
     cpu, start = children_cpu_s(), time.perf_counter()
-    ran = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, preexec_fn=die_with_this_process)
+    run_module(["stages.reproduce", "--dataset", dataset, "--data", str(data), "--out", str(out)], tree, env,
+               f"the reproduce stage in {tree}")
     wall, cpu = time.perf_counter() - start, children_cpu_s() - cpu
-    if ran.returncode != 0:
-        raise failure(ran, f"the reproduce stage in {tree}")
     seeds = (out / "seeds.csv").read_bytes()
     epochs = sum(int(row["epochs"]) for row in csv.DictReader(seeds.decode().splitlines()))
     return {"wall_s": wall, "cpu_s": cpu, "seed_epochs": epochs, "seeds_csv_sha256": hashlib.sha256(seeds).hexdigest()}
