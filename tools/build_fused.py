@@ -66,6 +66,8 @@ def compile_and_check(compiler: str, path: Path, verbose: bool) -> Path:
             first = (done.stderr.strip().splitlines() or ["no output"])[0]
             raise FusedUnavailable(f"{compiler} failed to compile {fused.SOURCE.name} (exit {done.returncode}): "
                                    f"{first}")
+        if verbose and done.stderr.strip():
+            print(done.stderr.rstrip(), file=sys.stderr)  # the compiler's warnings, as any build shows them
         from gat import fused_check
 
         difference = fused_check.disagreement(fused.load(Path(partial)))

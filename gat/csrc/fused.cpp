@@ -422,10 +422,6 @@ struct Workspace {
   std::vector<index_t> ties;
 };
 
-// GCC warns that passing a vector wider than the target's registers by value (8 doubles, or 16 floats without
-// AVX-512) has another ABI: only this file's functions, all internal, pass them.
-#pragma GCC diagnostic ignored "-Wpsabi"
-
 // 8 lanes of T in one vector (GCC's vector extension: AVX, else SSE, else scalar code); each lane rounds as
 // the scalar operation does.
 template <typename T>
@@ -689,7 +685,8 @@ void elu_inplace(float* x, index_t n) {
       for (index_t j = i; j < i + 8; ++j) x[j] = x[j] > 0.0f ? x[j] : expm1_approx(std::min(x[j], 0.0f));
     }
   }
-  for (; i < n; ++i) x[i] = x[i] > 0.0f ? x[i] : expm1_approx(std::min(x[i], 0.0f));
+  // The last n % 8 values (i is the largest multiple of 8 up to n): counted so, GCC sees that this loop ends.
+  for (index_t j = 0; j < n % 8; ++j) x[i + j] = x[i + j] > 0.0f ? x[i + j] : expm1_approx(std::min(x[i + j], 0.0f));
 }
 void elu_inplace(double* x, index_t n) {
   for (index_t i = 0; i < n; ++i) x[i] = x[i] > 0.0 ? x[i] : std::expm1(x[i]);
