@@ -68,8 +68,8 @@ from benchmarks.report import (FUSED_TARGETS, NATIVE_LOOP_TARGETS, add_ratios, a
 from benchmarks.throughput import (against_issue_22_start, lane_curve, reproduce_throughput,
                                    stage_against_issue_22_start)
 from benchmarks.timing import baseline_rss_mb, cases, measure, peak_of
+from stages.support import interrupts
 from stages.support.files import write_json
-from stages.support.params import StageError
 
 
 def peak_in_subprocess(key: str, args: argparse.Namespace) -> dict:
@@ -190,13 +190,17 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for the report's `command`
-    try:
+
+    def benchmark() -> None:
         if args.data_dir is None:
             args.data_dir = default_data_dir()
         run_peak_child(args) if args.peak_of else run(args)
-    except StageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+
+    # An error: one line, exit 2. SIGTERM, Ctrl-C or a dead parent: one line; the running child process (a peak-RSS
+    # process, a kernel's measuring process, a reproduce stage) is killed and the temporary folders removed; the
+    # report is written only at the end, atomically. The PyG rows set their own thread counts (1 and 2).
+    interrupts.main(benchmark, stopping="stopping; the running child process is killed, the temporary folders removed "
+                                        "and no report written.", one_thread=False)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,14 @@ No wall-clock time is asserted: these machines are shared, and `make bench` is w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -302,6 +305,51 @@ def test_the_table_says_whether_the_whole_stages_two_targets_are_met(report: dic
                 f"{len(runs)} run(s) each): this checkout {rate:.0f}, issue 22's starting point {ISSUE_22_START[:7]} "
                 f"716: {ratio}; the same seeds.csv") in table
         assert f"Cora's whole reproduce stage: {wall}" in table
+
+
+@pytest.mark.slow
+def test_a_stopped_benchmark_kills_its_child_and_writes_no_report(folder: Path, tmp_path: Path) -> None:
+    """SIGTERM while a peak-RSS process trains stops `make bench`'s benchmark within seconds, in one line (exit 143),
+    with that process killed, no report and no temporary folder of its own left."""
+    import psutil
+
+    out = tmp_path / "b.json"
+    command = [sys.executable, "-m", "benchmarks.engine", "--data-dir", str(folder), "--no-verify", "--out", str(out),
+               "--repeats", "1", "--warmup", "0", "--dense-repeats", "1", "--dense-warmup", "0",
+               "--dense-nodes", str(DENSE_NODES), "--throughput-epochs", "0", "--lane-epochs", "0",
+               "--start-epochs", "0", "--stage-rounds", "0", "--peak-epochs", "100000000"]
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    benchmark = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True,
+                                 env={**clean_env(), "TMPDIR": str(scratch)})
+    children: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not children and time.monotonic() < deadline and benchmark.poll() is None:
+            try:
+                children = [child for child in psutil.Process(benchmark.pid).children()
+                            if "--peak-of" in child.cmdline()]
+            except psutil.NoSuchProcess:
+                pass
+            time.sleep(0.2)
+        assert children, f"no peak-RSS process started: {benchmark.poll()}"
+        time.sleep(1)  # into its training
+        stopped = time.monotonic()
+        benchmark.send_signal(signal.SIGTERM)
+        _, stderr = benchmark.communicate(timeout=20)
+        assert time.monotonic() - stopped < 10
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, alive
+        assert benchmark.returncode == 128 + signal.SIGTERM
+        assert stderr.strip().splitlines()[-1] == ("error: interrupted by SIGTERM: stopping; the running child process "
+                                                   "is killed, the temporary folders removed and no report written.")
+        assert not out.exists() and list(tmp_path.glob("b.json*")) == []
+        assert list(scratch.glob("gat-*")) == []  # torch may leave its own folder there
+    finally:
+        for process in [psutil.Process(benchmark.pid), *children] if benchmark.poll() is None else children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        benchmark.wait(timeout=10)
 
 
 # benchmarks.worker_imports: what a reproduce worker costs with and without the stage's main module ---------------

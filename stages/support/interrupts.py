@@ -178,18 +178,20 @@ def _exit_now(code: int, join_threads: bool = False) -> NoReturn:
         os._exit(code)
 
 
-def main(run, stopping: str = _STOPPED) -> None:
+def main(run, stopping: str = _STOPPED, one_thread: bool = True) -> None:
     """Run a stage's `run()`: user errors become one clear line and exit code 2.
 
     SIGTERM, SIGINT (Ctrl-C) and the death of the parent process (dvc) stop the stage within a few
     seconds (under 1 s to act and end the MLflow run, then an exit that skips the interpreter's teardown),
     with one line on stderr, the MLflow run FAILED, no output written and exit code 128 + the signal
     (143; 130 for Ctrl-C). A stage that is done exits 0 without the interpreter's teardown too (_exit_now).
+    `one_thread`: False leaves torch's intra-op threads as they are (the benchmark, whose PyG rows time both counts).
     """
     # Measured on the 2-core machines: with 2 intra-op threads, MKL's sparse products stall
     # (16 ms instead of 0.04 ms for Cora's x @ W), so one thread per process is fastest;
     # the reproduce stage gets its parallelism from one process per core instead.
-    torch.set_num_threads(1)
+    if one_thread:
+        torch.set_num_threads(1)
     # The process is the stage's own (`python -m stages.train`, run() defined in __main__), not a test that
     # calls main() in its own process: only then does a stop end the process at once.
     owns_process = getattr(run, "__module__", None) == "__main__"
