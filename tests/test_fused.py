@@ -957,3 +957,53 @@ def test_the_phase_profile_times_an_earlier_commits_kernel_beside_this_one(tmp_p
     with pytest.raises(kernel_phases.StageError, match=r"^5a0ad3b~1's fused.cpp has no phase timers: compare with a "
                                                        r"later commit$"):
         kernel_phases.build_timed(tmp_path / "old", "5a0ad3b~1")
+
+
+# benchmarks.vector_ports: the CPU's vector rates and the kernel's sparse product beside them -----------------------
+
+def test_the_vector_ports_refuse_no_repeats(capsys) -> None:
+    from benchmarks import vector_ports
+
+    with pytest.raises(SystemExit) as stop:
+        vector_ports.main(["--repeats", "0"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: --repeats must be at least 1"
+
+
+def test_the_vector_ports_floor_is_a_stored_features_arithmetic_at_the_widest_alternating_rate() -> None:
+    """128 float operations (64 multiplies, 64 adds) at the faster of 8 × the 8-lane and 16 × the 16-lane
+    alternating rate; without AVX-512 the 16-lane row says it was not built."""
+    from benchmarks import vector_ports
+
+    avx512 = vector_ports.Rates(7.5, 7.5, 11.0, 7.0, 7.0, 7.0, 2.0)  # 88 and 112 float operations per ns
+    assert vector_ports.floor_ns(avx512) == pytest.approx(128 / 112)
+    product = vector_ports.SparseProduct(gathered=2.4, in_l1=1.8, under_dropout=3.2)
+    lines = vector_ports.report(avx512, product)
+    assert lines[1] == "  8 lanes: adds 7.50, multiplies 7.50, alternating 11.00 (88 float operations)"
+    assert lines[2] == "  16 lanes: adds 7.00, multiplies 7.00, alternating 7.00 (112 float operations)"
+    assert lines[3] == "  one chain of dependent 8-lane adds: 2.00 per ns (latency 0.500 ns)"
+    assert lines[5] == "  rows of W from 1,433 features (358 KB): 2.40 (2.10× the floor)"
+    assert lines[-1] == "  the floor, 64 multiplies and 64 adds at 112 float operations per ns: 1.14"
+
+    avx2 = dataclasses.replace(avx512, wide_adds=0, wide_multiplies=0, wide_alternating=0)
+    assert vector_ports.floor_ns(avx2) == pytest.approx(128 / 88)
+    assert vector_ports.report(avx2, product)[2] == "  16 lanes: not built (no AVX-512 in these flags)"
+
+
+@pytest.mark.slow
+def test_the_vector_ports_measure_this_cpu_with_the_kernels_own_product(tmp_path: Path, monkeypatch) -> None:
+    """Built with the kernel's default flags and gat/csrc/fused.cpp: every rate and time is a positive figure, the
+    16-lane rates exist exactly where -march=native gives AVX-512, and one chain of dependent adds is slower than
+    12 independent ones."""
+    from benchmarks import vector_ports
+
+    monkeypatch.delenv("GAT_FUSED_CXXFLAGS", raising=False)
+    lib = vector_ports.build(tmp_path)
+    rates = vector_ports.rates(lib, 200_000, 5)
+    cpu = fused.cpu_facts()
+    assert cpu is not None
+    assert (rates.wide_alternating > 0) == ("avx512f" in cpu[1])
+    assert all(value > 0 for value in (rates.adds, rates.multiplies, rates.alternating, rates.dependent_adds))
+    assert rates.dependent_adds < rates.adds  # 12 chains overlap where one cannot
+    product = vector_ports.sparse_product(lib, 200, 2)
+    assert all(0 < ns < 1e4 for ns in (product.gathered, product.in_l1, product.under_dropout)), product
