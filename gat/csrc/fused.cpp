@@ -516,6 +516,24 @@ inline Vec16f lane_pair_everywhere(Vec8<float> v, int m) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// For each byte of c.heads_kept (bit k: head k keeps the stored feature) and each pair m of heads, the 16-lane mask
+// of the lanes whose head keeps it: lanes 0-7 for head 2m, lanes 8-15 for head 2m + 1. A mask register loads it
+// from memory, a load port's work.
+struct PairMasks {
+  uint16_t of[256][4];
+};
+constexpr PairMasks make_pair_masks() {
+  PairMasks masks{};
+  for (int bits = 0; bits < 256; ++bits)
+    for (int m = 0; m < 4; ++m)
+      masks.of[bits][m] = static_cast<uint16_t>(((bits >> (2 * m)) & 1 ? 0x00FF : 0) |
+                                                ((bits >> (2 * m + 1)) & 1 ? 0xFF00 : 0));
+  return masks;
+}
+alignas(64) inline constexpr PairMasks kPairMasks = make_pair_masks();
+#endif
+
 // The 8 floats at p in both halves of a 16-lane vector (one broadcast load with AVX-512 DQ), and a 16-lane vector's
 // two halves; plain copies without AVX-512.
 inline Vec16f twice(const float* p) {
@@ -707,8 +725,20 @@ inline void sparse_row_product(index_t begin, index_t end, const T* x, const Lay
     for (index_t t = begin; t < end; ++t) {
       const auto [e, row] = entry(t);
       if (dropout) {
+#if defined(__AVX512F__)
+        // A kept head's lanes get (x_e · scale) · w, the product below; a dropped head's get +0 where that product
+        // is x_e · 0 · w = ±0, and adding either to a sum that started at +0 leaves the sum as it was (for finite
+        // w; the fingerprint and the build matrix check it). No permute per pair of heads, which would share the
+        // two ports of the 16-lane multiplies and adds on an Intel core (python -m benchmarks.vector_ports).
+        const __m512 kept_value = _mm512_set1_ps(x[e] * c.multipliers[255 * 8]);  // byte 255: every head keeps it
+        const uint16_t* keeps = kPairMasks.of[c.heads_kept[e]];
+        for (int m = 0; m < 4; ++m)
+          acc[m] += reinterpret_cast<Vec16f>(
+              _mm512_maskz_mul_ps(keeps[m], kept_value, reinterpret_cast<__m512>(load16(row + m * 16))));
+#else
         const V v = masked(e);
         for (int m = 0; m < 4; ++m) acc[m] += lane_pair_everywhere(v, m) * load16(row + m * 16);
+#endif
       } else {
         for (int m = 0; m < 4; ++m) acc[m] += x[e] * load16(row + m * 16);
       }
