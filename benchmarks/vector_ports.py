@@ -96,14 +96,14 @@ def floor_ns(measured: Rates) -> float:
 
 
 def report(measured: Rates, product: SparseProduct) -> list[str]:
-    def row(name: str, adds: float, multiplies: float, alternating: float) -> str:
-        return (f"  {name}: adds {adds:.2f}, multiplies {multiplies:.2f}, alternating {alternating:.2f} "
-                f"({alternating * (8 if name.startswith('8') else 16):.0f} float operations)")
+    def row(lanes: int, adds: float, multiplies: float, alternating: float) -> str:
+        return (f"  {lanes} lanes: adds {adds:.2f}, multiplies {multiplies:.2f}, alternating {alternating:.2f} "
+                f"({alternating * lanes:.0f} float operations)")
 
     lines = ["vector instructions per ns, one thread, 12 independent chains:",
-             row("8 lanes", measured.adds, measured.multiplies, measured.alternating)]
+             row(8, measured.adds, measured.multiplies, measured.alternating)]
     if measured.wide_alternating > 0:
-        lines.append(row("16 lanes", measured.wide_adds, measured.wide_multiplies, measured.wide_alternating))
+        lines.append(row(16, measured.wide_adds, measured.wide_multiplies, measured.wide_alternating))
     else:
         lines.append("  16 lanes: not built (no AVX-512 in these flags)")
     floor = floor_ns(measured)

@@ -725,19 +725,16 @@ inline void sparse_row_product(index_t begin, index_t end, const T* x, const Lay
     for (index_t t = begin; t < end; ++t) {
       const auto [e, row] = entry(t);
       if (dropout) {
-#if defined(__AVX512F__)
-        // A kept head's lanes get (x_e · scale) · w, the product below; a dropped head's get +0 where that product
-        // is x_e · 0 · w = ±0, and adding either to a sum that started at +0 leaves the sum as it was (for finite
-        // w; the fingerprint and the build matrix check it). No permute per pair of heads, which would share the
-        // two ports of the 16-lane multiplies and adds on an Intel core (python -m benchmarks.vector_ports).
+#if defined(__AVX512F__)  // kWideVectors: this branch is compiled only with AVX-512
+        // A kept head's lanes get (x_e · scale) · w, as the 8-lane loop's product; a dropped head's get +0 where
+        // that product is x_e · 0 · w = ±0, and adding either to a sum that started at +0 leaves the sum as it was
+        // (for finite w; the fingerprint and the build matrix check it). No permute per pair of heads, which would
+        // share the two ports of the 16-lane multiplies and adds on an Intel core (python -m benchmarks.vector_ports).
         const __m512 kept_value = _mm512_set1_ps(x[e] * c.multipliers[255 * 8]);  // byte 255: every head keeps it
         const uint16_t* keeps = kPairMasks.of[c.heads_kept[e]];
         for (int m = 0; m < 4; ++m)
           acc[m] += reinterpret_cast<Vec16f>(
               _mm512_maskz_mul_ps(keeps[m], kept_value, reinterpret_cast<__m512>(load16(row + m * 16))));
-#else
-        const V v = masked(e);
-        for (int m = 0; m < 4; ++m) acc[m] += lane_pair_everywhere(v, m) * load16(row + m * 16);
 #endif
       } else {
         for (int m = 0; m < 4; ++m) acc[m] += x[e] * load16(row + m * 16);
