@@ -601,6 +601,44 @@ def test_a_generator_whose_words_the_inline_step_does_not_give_is_called_word_by
     assert _draw_words(drop, 0, 5) == (0, [1001, 1002, 1003, 1004, 1005]) and len(calls) == 5
 
 
+# Less than one block of 64 bytes; one and a byte more; a chunk of drawn words (8192 bytes) and a byte either side;
+# many chunks and a tail, with some 78 ties of the threshold's top byte (1 element in 256).
+@pytest.mark.parametrize("count", [1, 7, 63, 64, 65, 8191, 8192, 8193, 20001])
+@pytest.mark.parametrize("p", [0.6, 0.5])
+def test_the_kernel_draws_replica_dropouts_masks_as_floats_bytes_and_bits(count: int, p: float) -> None:
+    """draw_mask's floats, draw_kept_bytes's bytes and draw_kept_bits's bits (vector compares of 64 drawn bytes with
+    AVX-512, a word or a byte at a time without), and 8 heads' bits folded into a byte per element (heads_of_bits):
+    ReplicaDropout.keep's mask, element for element, ties of the top byte included, and the stream left where keep
+    leaves it."""
+    import ctypes
+
+    import numpy as np
+
+    draw = fused.library().gat_draw_mask
+    draw.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    sizes = {0: (count, np.float32), 1: ((count + 7) // 8 * 8, np.uint8), 2: (count // 64 + 2, np.uint64),
+             3: (count, np.uint8)}
+    for kind, (size, dtype) in sizes.items():
+        noise, twin = ReplicaDropout([11], p), ReplicaDropout([11], p)
+        drop, _states = fused._dropout(noise)
+        out = np.zeros(size, dtype)
+        assert draw(ctypes.addressof(drop), 0, count, kind, out.ctypes.data) == 0
+        if kind == 3:
+            kept = twin.keep(8, count)[0].numpy() > 0  # [8, count]
+            assert np.array_equal(out, (kept * (1 << np.arange(8))[:, None]).sum(0).astype(np.uint8))
+        else:
+            expected = twin.keep(count)[0].numpy()
+            if kind == 0:
+                assert np.array_equal(out, expected)
+            elif kind == 1:
+                assert np.array_equal(out[:count], np.where(expected > 0, 0xFF, 0).astype(np.uint8))
+            else:
+                bits = np.unpackbits(out.view(np.uint8), bitorder="little")
+                assert np.array_equal(bits[:count], expected > 0) and not bits[count:].any()
+        assert noise.generators[0].bit_generator.state == twin.generators[0].bit_generator.state
+    assert draw(ctypes.addressof(drop), 0, 1, 7, out.ctypes.data) == 1
+
+
 def test_a_bad_lane_width_is_one_line(monkeypatch) -> None:
     from stages.support.params import StageError, check_lanes_variable
 

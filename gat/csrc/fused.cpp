@@ -282,10 +282,74 @@ inline void decide_ties(const Dropout& d, void* state, const std::vector<index_t
 // The masks of ReplicaDropout.keep for `count` elements: an element is kept when a uniform 32-bit u is at
 // least the threshold; u's top byte decides unless it ties the threshold's, and the ties then draw one
 // 64-bit word each, in order, whose low 24 bits decide. The top bytes come 8 to a word, little-endian.
+// Of n ≤ 64 · kTopBlocks drawn top bytes, the kept ones (above the threshold's top byte) as one 64-bit mask per 64
+// bytes (bit b of kept[m]: byte 64 m + b), and the ties (equal to it) pushed onto `ties` in order, as first + their
+// position. With AVX-512, one compare of 64 bytes each: a word at a time, with a branch on its rare ties, had cost as
+// much as drawing the words. No branch per block either: the blocks with a tie (about 1 in 4) are listed as they
+// come, then walked.
+constexpr index_t kTopBlocks = 128;
+inline void classify_top_bytes(const uint8_t* bytes, index_t n, uint8_t top, index_t first, uint64_t* kept,
+                               std::vector<index_t>& ties) {
+#if defined(__AVX512BW__)
+  const __m512i tops = _mm512_set1_epi8(static_cast<char>(top));
+  __mmask64 tied[kTopBlocks];
+  index_t tied_block[kTopBlocks], listed = 0;
+  for (index_t block = 0; 64 * block < n; ++block) {
+    const index_t m = std::min<index_t>(64, n - 64 * block);
+    const __mmask64 valid = m == 64 ? ~__mmask64{0} : (__mmask64{1} << m) - 1;
+    const __m512i drawn = _mm512_maskz_loadu_epi8(valid, bytes + 64 * block);
+    tied[listed] = _mm512_mask_cmpeq_epu8_mask(valid, drawn, tops);
+    tied_block[listed] = block;
+    listed += tied[listed] != 0;
+    kept[block] = _mm512_mask_cmpgt_epu8_mask(valid, drawn, tops);
+  }
+  for (index_t i = 0; i < listed; ++i)
+    for (__mmask64 t = tied[i]; t != 0; t &= t - 1) ties.push_back(first + 64 * tied_block[i] + __builtin_ctzll(t));
+#else
+  for (index_t block = 0; 64 * block < n; ++block) {
+    const index_t m = std::min<index_t>(64, n - 64 * block);
+    uint64_t bits = 0;
+    for (index_t b = 0; b < m; ++b) bits |= static_cast<uint64_t>(bytes[64 * block + b] > top) << b;
+    kept[block] = bits;
+    for (index_t b = 0; b < m; ++b)
+      if (bytes[64 * block + b] == top) ties.push_back(first + 64 * block + b);
+  }
+#endif
+}
+
+#if defined(__AVX512BW__)
+// The masks of 16 floats (bits q to q + 15 of a block's kept mask), and which of them exist when the block has m.
+inline __mmask16 sixteen(__mmask64 mask, index_t q) { return static_cast<__mmask16>(mask >> q); }
+#endif
+
 template <typename T>
 void draw_mask(const Dropout& d, void* state, index_t count, T* mask, std::vector<index_t>& ties) {
   ties.clear();
   const T scale = static_cast<T>(d.scale);
+#if defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, float>) {  // 64 bytes at a time, each 16 floats one masked move
+    const __m512 scales = _mm512_set1_ps(d.scale);
+    uint8_t bytes[64 * kTopBlocks];
+    uint64_t kept[kTopBlocks];
+    for (index_t base = 0; base < count; base += 64 * kTopBlocks) {
+      const index_t n = std::min(64 * kTopBlocks, count - base);
+      draw_words(d, state, (n + 7) / 8, bytes);
+      classify_top_bytes(bytes, n, d.threshold_top, base, kept, ties);
+      const index_t full = n / 64;
+      for (index_t block = 0; block < full; ++block)
+        for (index_t q = 0; q < 64; q += 16)
+          _mm512_storeu_ps(mask + base + 64 * block + q, _mm512_maskz_mov_ps(sixteen(kept[block], q), scales));
+      if (full * 64 < n) {  // the last block's n % 64 floats
+        const __mmask64 valid = (__mmask64{1} << n % 64) - 1;
+        for (index_t q = 0; q < 64; q += 16)
+          _mm512_mask_storeu_ps(mask + base + 64 * full + q, sixteen(valid, q),
+                                _mm512_maskz_mov_ps(sixteen(kept[full], q), scales));
+      }
+    }
+    decide_ties(d, state, ties, [&](index_t i, bool kept) { mask[i] = kept ? scale : T(0); });
+    return;
+  }
+#endif
   constexpr uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
   const uint64_t pattern = ones * d.threshold_top;
 #if defined(__AVX2__)
@@ -330,10 +394,22 @@ void draw_mask(const Dropout& d, void* state, index_t count, T* mask, std::vecto
 // the same draws as draw_mask. `out` holds count rounded up to 8 bytes.
 inline void draw_kept_bytes(const Dropout& d, void* state, index_t count, uint8_t* out, std::vector<index_t>& ties) {
   ties.clear();
-  constexpr uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
-  const uint64_t pattern = ones * d.threshold_top;
   const index_t words = (count + 7) / 8;
   draw_words(d, state, words, out);  // little-endian: byte b of word w is out[8 w + b]
+#if defined(__AVX512BW__)
+  uint64_t kept[kTopBlocks];
+  for (index_t base = 0; base < count; base += 64 * kTopBlocks) {
+    const index_t n = std::min(64 * kTopBlocks, count - base);
+    classify_top_bytes(out + base, n, d.threshold_top, base, kept, ties);
+    for (index_t block = 0; 64 * block < n; ++block) {
+      const index_t m = std::min<index_t>(64, n - 64 * block);
+      const __mmask64 valid = m == 64 ? ~__mmask64{0} : (__mmask64{1} << m) - 1;
+      _mm512_mask_storeu_epi8(out + base + 64 * block, valid, _mm512_movm_epi8(kept[block]));
+    }
+  }
+#else
+  constexpr uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
+  const uint64_t pattern = ones * d.threshold_top;
   for (index_t w = 0; w < words; ++w) {
     uint64_t word;
     std::memcpy(&word, out + 8 * w, 8);
@@ -346,7 +422,49 @@ inline void draw_kept_bytes(const Dropout& d, void* state, index_t count, uint8_
   const uint8_t top = d.threshold_top;
   uint8_t* __restrict bytes = out;  // the only pointer the loop writes through: it vectorises
   for (index_t n = 0; n < count; ++n) bytes[n] = bytes[n] > top ? 0xFF : 0x00;
+#endif
   decide_ties(d, state, ties, [&](index_t n, bool kept) { out[n] = kept ? 0xFF : 0x00; });
+}
+
+// The keep decisions of ReplicaDropout.keep for `count` elements as bits, from the same draws as draw_mask: bit n of
+// `bits` says whether element n is kept. `bits` gets count / 64 + 2 words, 0 past `count`, so that heads_of_bits may
+// read a word past the last. 30 KB for the step's input dropout, where bytes took 245 KB and floats 980 KB.
+inline void draw_kept_bits(const Dropout& d, void* state, index_t count, std::vector<uint64_t>& bits,
+                           std::vector<index_t>& ties) {
+  ties.clear();
+  bits.assign(count / 64 + 2, 0);
+  uint8_t bytes[64 * kTopBlocks];
+  for (index_t base = 0; base < count; base += 64 * kTopBlocks) {
+    const index_t n = std::min(64 * kTopBlocks, count - base);
+    draw_words(d, state, (n + 7) / 8, bytes);
+    classify_top_bytes(bytes, n, d.threshold_top, base, bits.data() + base / 64, ties);
+  }
+  decide_ties(d, state, ties, [&](index_t n, bool kept) { bits[n / 64] |= static_cast<uint64_t>(kept) << n % 64; });
+}
+
+// A draw for 8 heads, head-major [8, n] as bits (draw_kept_bits), folded into one byte per element whose bit k says
+// whether head k keeps it: out[e] for e in [0, n). With AVX-512, 64 elements at a time: head k's 64 bits, from bit
+// k n + e on, become 64 bytes of 0 or 1 << k, and the 8 heads' bytes are or-ed.
+inline void heads_of_bits(const uint64_t* bits, index_t n, uint8_t* out) {
+#if defined(__AVX512BW__)
+  const auto word_at = [bits](index_t at) {  // bits at to at + 63
+    const index_t w = at / 64, shift = at % 64;
+    return shift == 0 ? bits[w] : bits[w] >> shift | bits[w + 1] << (64 - shift);
+  };
+  for (index_t e = 0; e < n; e += 64) {
+    __m512i heads = _mm512_setzero_si512();
+    for (int k = 0; k < 8; ++k)
+      heads = _mm512_or_si512(heads, _mm512_maskz_mov_epi8(word_at(k * n + e), _mm512_set1_epi8(static_cast<char>(1 << k))));
+    const index_t m = std::min<index_t>(64, n - e);
+    _mm512_mask_storeu_epi8(out + e, m == 64 ? ~__mmask64{0} : (__mmask64{1} << m) - 1, heads);
+  }
+#else
+  for (index_t e = 0; e < n; ++e) {
+    uint8_t heads = 0;
+    for (int k = 0; k < 8; ++k) heads |= static_cast<uint8_t>((bits[(k * n + e) / 64] >> (k * n + e) % 64 & 1) << k);
+    out[e] = heads;
+  }
+#endif
 }
 
 // The kernel's arrays start on a cache line (64 bytes). A node's 64 features (256 bytes), which the first layer
@@ -406,8 +524,11 @@ struct LayerCache {
   Buffer<T> z;          // scores before LeakyReLU [H, E]
   Buffer<T> alpha;      // [H, E]
   Buffer<T> alpha_mask; // [H, E]
-  // The paper's first layer under dropout, by edge [E, 8] for its backward pass: α's mask, and α dropped.
-  Buffer<T> alpha_mask8, alpha_dropped8;
+  // The paper's first layer under dropout keeps its masks as bits, and multiplies by `multipliers`: for each edge a
+  // byte whose bit k says whether head k keeps α [E]; for each head and source a byte whose bit f says whether
+  // feature f of g is kept [H, S], as drawn. α dropped, by edge [E, 8], for its backward pass.
+  Buffer<uint8_t> alpha_kept, g_kept;
+  Buffer<T> alpha_dropped8;
   Buffer<T> pre;        // output before the activation [H, T, F']
 };
 
@@ -418,7 +539,7 @@ struct Workspace {
   Buffer<T> logits;     // [T2, C]
   Buffer<T> grad_logits, grad_hidden, grad_out, grad_g, s_target, s_source, grad_s_target, grad_s_source,
       grad_alpha, e, grads, weights_t, weights_t2, weight_pairs, grad_weights_t, z8, alpha8;
-  Buffer<uint8_t> kept;  // keep decisions in a stream's order, one byte each
+  std::vector<uint64_t> kept_bits;  // keep decisions in a stream's order, one bit each (draw_kept_bits)
   std::vector<index_t> ties;
 };
 
@@ -899,24 +1020,26 @@ void first_layer_attention(const Problem& p, const LayerParams<T>& w, bool train
   }
 
   GAT_NEXT_PHASE(timer, kStepDropout);
-  // Dropout on α, then on g, drawn head-major as ReplicaDropout draws them; α dropped, edge-major.
+  // Dropout on α, then on g, drawn head-major as ReplicaDropout draws them, kept as bits. A mask's 8 floats are
+  // multipliers[8 · byte], the same 0 or scale that the mask as floats held; α dropped, edge-major.
   const T* a_dropped = alpha;
-  c.alpha_mask.resize(dropout ? 8 * E : 0);
-  c.g_mask.resize(dropout ? 8 * S * 8 : 0);
+  c.alpha_kept.resize(dropout ? E : 0);
+  c.g_kept.resize(dropout ? 8 * S : 0);
   c.g_dropped.resize(dropout ? 8 * S * 8 : 0);
   if (dropout) {
-    draw_mask(drop, state, 8 * E, c.alpha_mask.data(), ws.ties);
-    draw_mask(drop, state, 8 * S * 8, c.g_mask.data(), ws.ties);
+    const T* multipliers = c.multipliers.data();  // layer_forward's, from the input's dropout
+    draw_kept_bits(drop, state, 8 * E, ws.kept_bits, ws.ties);
+    heads_of_bits(ws.kept_bits.data(), E, c.alpha_kept.data());
+    draw_kept_bits(drop, state, 8 * S * 8, ws.kept_bits, ws.ties);
+    std::memcpy(c.g_kept.data(), ws.kept_bits.data(), 8 * S);  // little-endian: byte k S + j, bits 8 (k S + j) on
     for (index_t j = 0; j < S; ++j)  // the mask head-major as drawn, g by source
       for (int k = 0; k < 8; ++k) {
         const index_t at = j * 64 + k * 8;
-        store8(c.g_dropped.data() + at, load8(c.g.data() + at) * load8(c.g_mask.data() + (k * S + j) * 8));
+        store8(c.g_dropped.data() + at, load8(c.g.data() + at) * load8(multipliers + 8 * c.g_kept[k * S + j]));
       }
-    c.alpha_mask8.resize(E * 8);
     c.alpha_dropped8.resize(E * 8);
     for (index_t e = 0; e < E; ++e)
-      for (int k = 0; k < 8; ++k) c.alpha_mask8[e * 8 + k] = c.alpha_mask[k * E + e];
-    for (index_t n = 0; n < E * 8; ++n) c.alpha_dropped8[n] = alpha[n] * c.alpha_mask8[n];
+      store8(c.alpha_dropped8.data() + e * 8, load8(alpha + e * 8) * load8(multipliers + 8 * c.alpha_kept[e]));
     a_dropped = c.alpha_dropped8.data();
   }
   const T* g_dropped = dropout ? c.g_dropped.data() : c.g.data();
@@ -958,23 +1081,15 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
     GAT_PHASE(timer, training ? kStepTranspose : kValTranspose);
     if (!w.W_by_feature) transpose_heads(w.W, H, fin, F, ws.weights_t);
     const T* weights = w.W_by_feature ? w.W : ws.weights_t.data();
-    using V = Vec8<T>;
     GAT_NEXT_PHASE(timer, training ? kStepInputMasks : kUntimed);
     if (dropout) {
       // One draw for all heads, in the stream's order [H, nnz], folded into a byte per stored feature (bit k: head k
       // keeps it): an entry's masked values in the 8 heads are x_e times the multipliers of its byte, one vector, for
       // the product below and for ∂L/∂W. 30 KB of bytes where the masks and masked values as floats took 2 MB: the
       // rows of W that the product gathers stay in a core's L2 cache.
-      ws.kept.resize((H * nnz + 7) / 8 * 8);
-      draw_kept_bytes(drop, state, H * nnz, ws.kept.data(), ws.ties);
+      draw_kept_bits(drop, state, H * nnz, ws.kept_bits, ws.ties);
       c.heads_kept.resize(nnz);
-      uint8_t* __restrict folded = c.heads_kept.data();  // bytes alias anything: plain pointers let the loop vectorise
-      const uint8_t* __restrict drawn = ws.kept.data();
-      for (index_t e = 0; e < nnz; ++e) {
-        uint8_t bits = 0;
-        for (int k = 0; k < 8; ++k) bits |= drawn[k * nnz + e] & (1u << k);
-        folded[e] = bits;
-      }
+      heads_of_bits(ws.kept_bits.data(), nnz, c.heads_kept.data());
       c.multipliers.resize(256 * 8);
       for (int bits = 0; bits < 256; ++bits)
         for (int k = 0; k < 8; ++k) c.multipliers[bits * 8 + k] = (bits >> k) & 1 ? static_cast<T>(drop.scale) : T(0);
@@ -1281,7 +1396,8 @@ void first_layer_backward(const Problem& p, const LayerParams<T>& w, const T* gr
   const LayerCache<T>& c = ws.cache[0];
   const Block& b = p.block[0];
   const index_t S = b.sources, Tn = b.targets, E = b.edges;
-  const bool dropout = !c.alpha_mask.empty();
+  const bool dropout = !c.alpha_kept.empty();
+  const T* multipliers = c.multipliers.data();
   GAT_PHASE(timer, kStepBackAggregate);
   // ∂L/∂out [Tn, 64] through ELU: exp(min(x, 0)) for every element, one product each (layer_backward says why).
   ws.e.resize(std::max<index_t>(ws.e.size(), 8 * Tn * 8));
@@ -1313,7 +1429,7 @@ void first_layer_backward(const Problem& p, const LayerParams<T>& w, const T* gr
       V prod[8];
       for (int k = 0; k < 8; ++k) prod[k] = dv[k] * load8(gd + j * 64 + k * 8);
       const V da = sum8_each<T>(prod);  // lane k: head k's dot product, its lanes summed as sum8 sums them
-      store8(ws.grad_alpha.data() + e * 8, dropout ? da * load8(c.alpha_mask8.data() + e * 8) : da);
+      store8(ws.grad_alpha.data() + e * 8, dropout ? da * load8(multipliers + 8 * c.alpha_kept[e]) : da);
       if constexpr (kWideVectors && std::is_same_v<T, float>) {  // heads 2m and 2m + 1 at once
         const V a = load8(a_dropped + e * 8);
         T* dgj = dg + j * 64;
@@ -1328,7 +1444,7 @@ void first_layer_backward(const Problem& p, const LayerParams<T>& w, const T* gr
   if (dropout) {
     for (index_t j = 0; j < S; ++j)
       for (int k = 0; k < 8; ++k)
-        store8(dg + j * 64 + k * 8, load8(dg + j * 64 + k * 8) * load8(c.g_mask.data() + (k * S + j) * 8));
+        store8(dg + j * 64 + k * 8, load8(dg + j * 64 + k * 8) * load8(multipliers + 8 * c.g_kept[k * S + j]));
   }
 
   GAT_NEXT_PHASE(timer, kStepBackScores);
@@ -1535,7 +1651,7 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
 template <typename T>
 void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W, bool by_feature) {
   const index_t fin = p.f_in;
-  const bool dropout = !c.alpha_mask.empty();
+  const bool dropout = !c.alpha_kept.empty();
   const T* x = static_cast<const T*>(p.x_val);
   const T* dg = ws.grad_g.data();  // by source, [S, H·8]: a source's 64 values in one place
   alignas(64) T by_head[64];
@@ -2645,6 +2761,30 @@ int64_t gat_abi_sizes(int which) {
 // numpy's); 1 if they came from the inline PCG64 step, 0 if from numpy's next_uint64 call by call.
 int gat_draw_words(const Dropout* drop, int64_t r, int64_t count, uint64_t* out) {
   return draw_words(*drop, drop->states[r], count, reinterpret_cast<uint8_t*>(out)) ? 1 : 0;
+}
+
+// The masks of `count` elements from replica r's stream, as the kernel draws them (tests/test_fused.py checks them
+// against gat/dropout.py's), into `out`: kind 0 as floats, 0 or the scale [count]; 1 as bytes, 0xFF kept and 0
+// dropped [count rounded up to 8]; 2 as bits (draw_kept_bits) [count / 64 + 2 words]; 3, for 8 heads of `count`
+// elements each (8 count drawn), as a byte per element whose bit k is head k's (heads_of_bits) [count]. Returns 0,
+// or 1 for an unknown kind.
+int gat_draw_mask(const Dropout* drop, int64_t r, int64_t count, int kind, void* out) {
+  std::vector<index_t> ties;
+  std::vector<uint64_t> bits;
+  void* state = drop->states[r];
+  switch (kind) {
+    case 0: draw_mask(*drop, state, count, static_cast<float*>(out), ties); return 0;
+    case 1: draw_kept_bytes(*drop, state, count, static_cast<uint8_t*>(out), ties); return 0;
+    case 2:
+      draw_kept_bits(*drop, state, count, bits, ties);
+      std::copy(bits.begin(), bits.end(), static_cast<uint64_t*>(out));
+      return 0;
+    case 3:
+      draw_kept_bits(*drop, state, 8 * count, bits, ties);
+      heads_of_bits(bits.data(), count, static_cast<uint8_t*>(out));
+      return 0;
+    default: return 1;
+  }
 }
 
 // One training step of R replicas: float32 parameters updated in place by Adam (when `adam` is not null);
