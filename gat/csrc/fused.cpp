@@ -26,6 +26,7 @@
 #include <exception>
 #include <memory>
 #include <new>
+#include <optional>
 #include <stdexcept>
 #include <utility>
 #include <type_traits>
@@ -78,6 +79,36 @@ struct Dropout {  // null `next`: no dropout
 struct Adam {
   double lr, beta1, beta2, eps, weight_decay;
   double step;          // the step number after this update (torch keeps it per parameter; all are equal)
+};
+
+// Adam as torch.optim.Adam (single-tensor, coupled weight decay) applies it, operation by operation: its constants for
+// one step number, then each weight's update (apply, over n weights).
+struct AdamStep {
+  float weight_decay, weight, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt;
+  explicit AdamStep(const Adam& a)
+      : weight_decay(static_cast<float>(a.weight_decay)), weight(static_cast<float>(1.0 - a.beta1)),
+        beta2(static_cast<float>(a.beta2)), one_minus_beta2(static_cast<float>(1.0 - a.beta2)),
+        eps(static_cast<float>(a.eps)), step_size(static_cast<float>(-(a.lr / (1.0 - std::pow(a.beta1, a.step))))),
+        bias_correction2_sqrt(static_cast<float>(std::sqrt(1.0 - std::pow(a.beta2, a.step)))) {}
+
+  void apply(float* param, float* exp_avg, float* exp_avg_sq, const float* grad, index_t n) const {
+    for (index_t i = 0; i < n; ++i) {
+      // torch's vectorised CPU kernels for add(alpha=) and lerp compute these two with a fused multiply-add.
+      const float g = std::fma(weight_decay, param[i], grad[i]);
+      exp_avg[i] = std::fma(weight, g - exp_avg[i], exp_avg[i]);  // lerp with a weight below 0.5
+      exp_avg_sq[i] = exp_avg_sq[i] * beta2 + one_minus_beta2 * g * g;
+      const float denom = std::sqrt(exp_avg_sq[i]) / bias_correction2_sqrt + eps;
+      param[i] = param[i] + step_size * exp_avg[i] / denom;
+    }
+  }
+};
+
+// Adam on the first layer's W (by feature), row by row: first_layer_weight_grad updates each row of W as soon as its
+// row of ∂L/∂W is summed, while the row is in L1 and while the sparse products keep the other ports busy (Adam's
+// square roots and divisions wait on one divider). Null `step`: W waits for the whole gradient, as the others do.
+struct AdamRows {
+  const AdamStep* step = nullptr;
+  float *param = nullptr, *exp_avg = nullptr, *exp_avg_sq = nullptr;
 };
 
 // Where the time of the paper's model goes, phase by phase, when built with -DGAT_PHASE_TIMERS
@@ -540,6 +571,7 @@ struct Workspace {
   Buffer<T> grad_logits, grad_hidden, grad_out, grad_g, s_target, s_source, grad_s_target, grad_s_source,
       grad_alpha, e, grads, weights_t, weights_t2, weight_pairs, grad_weights_t, z8, alpha8;
   std::vector<uint64_t> kept_bits;  // keep decisions in a stream's order, one bit each (draw_kept_bits)
+  AdamRows adam_rows;  // train_replica's, for the first layer's backward pass
   std::vector<index_t> ties;
 };
 
@@ -1662,6 +1694,11 @@ void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace
                        by_feature ? grad_W + q * 64 : by_head);
     for (int k = 0; !by_feature && k < 8; ++k)
       std::copy(by_head + k * 8, by_head + k * 8 + 8, grad_W + (k * fin + q) * 8);
+    if constexpr (std::is_same_v<T, float>) {
+      const AdamRows& rows = ws.adam_rows;
+      if (by_feature && rows.step != nullptr)
+        rows.step->apply(rows.param + q * 64, rows.exp_avg + q * 64, rows.exp_avg_sq + q * 64, grad_W + q * 64, 64);
+    }
   }
 }
 
@@ -1752,24 +1789,6 @@ void forward(const Problem& p, void* const* params, index_t r, bool training, co
                    ws.logits.data());
 }
 
-// Adam as torch.optim.Adam (single-tensor, coupled weight decay) applies it, operation by operation.
-void adam_update(const Adam& a, float* param, float* exp_avg, float* exp_avg_sq, const float* grad, index_t n) {
-  const float weight_decay = static_cast<float>(a.weight_decay);
-  const float weight = static_cast<float>(1.0 - a.beta1), beta2 = static_cast<float>(a.beta2);
-  const float one_minus_beta2 = static_cast<float>(1.0 - a.beta2), eps = static_cast<float>(a.eps);
-  const double bias_correction1 = 1.0 - std::pow(a.beta1, a.step);
-  const float step_size = static_cast<float>(-(a.lr / bias_correction1));
-  const float bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(a.beta2, a.step)));
-  for (index_t i = 0; i < n; ++i) {
-    // torch's vectorised CPU kernels for add(alpha=) and lerp compute these two with a fused multiply-add.
-    const float g = std::fma(weight_decay, param[i], grad[i]);
-    exp_avg[i] = std::fma(weight, g - exp_avg[i], exp_avg[i]);  // lerp with a weight below 0.5
-    exp_avg_sq[i] = exp_avg_sq[i] * beta2 + one_minus_beta2 * g * g;
-    const float denom = std::sqrt(exp_avg_sq[i]) / bias_correction2_sqrt + eps;
-    param[i] = param[i] + step_size * exp_avg[i] / denom;
-  }
-}
-
 template <typename T>
 void train_replica(const Problem& p, index_t r, void* const* params, void* const* exp_avg, void* const* exp_avg_sq,
                    const Adam* adam, const Dropout& drop, T* loss, double* accuracy, T* logits_out,
@@ -1790,7 +1809,17 @@ void train_replica(const Problem& p, index_t r, void* const* params, void* const
   GAT_NEXT_PHASE(timer, kStepBackLayer2);
   layer_backward_any<T>(p, 1, layer_params<T>(p, 1, params, r), ws.grad_logits.data(), ws, g1, ws.grad_hidden.data());
   GAT_NEXT_PHASE(timer, kUntimed);  // layer 1's backward pass times its own phases
+  std::optional<AdamStep> adam_step;
+  if (adam != nullptr) adam_step.emplace(*adam);
+  // With W by feature (the native loop's), W's rows take their Adam update in ∂L/∂W's loop (AdamRows).
+  const bool w_by_rows = std::is_same_v<T, float> && adam_step && g0.W_by_feature;
+  if (w_by_rows) {
+    const index_t n = param_numel(p, 0, 0);
+    ws.adam_rows = {&*adam_step, static_cast<float*>(params[0]) + r * n, static_cast<float*>(exp_avg[0]) + r * n,
+                    static_cast<float*>(exp_avg_sq[0]) + r * n};
+  }
   layer_backward_any<T>(p, 0, layer_params<T>(p, 0, params, r, W_by_feature), ws.grad_hidden.data(), ws, g0, nullptr);
+  ws.adam_rows = {};
   GAT_NEXT_PHASE(timer, kStepAdam);
 
   const T* grad = ws.grads.data();
@@ -1800,9 +1829,9 @@ void train_replica(const Problem& p, index_t r, void* const* params, void* const
       const int which = l * kParams + i;
       if (grads_out != nullptr) std::copy(grad, grad + n, static_cast<T*>(grads_out[which]) + r * n);
       if constexpr (sizeof(T) == sizeof(float)) {
-        if (adam != nullptr) {
-          adam_update(*adam, static_cast<float*>(params[which]) + r * n, static_cast<float*>(exp_avg[which]) + r * n,
-                      static_cast<float*>(exp_avg_sq[which]) + r * n, grad, n);
+        if (adam_step && !(w_by_rows && which == 0)) {
+          adam_step->apply(static_cast<float*>(params[which]) + r * n, static_cast<float*>(exp_avg[which]) + r * n,
+                           static_cast<float*>(exp_avg_sq[which]) + r * n, grad, n);
         }
       }
       grad += n;
@@ -2448,7 +2477,7 @@ struct LaneGroup {
     }
   }
 
-  // Adam as adam_update, each lane at its own step.
+  // Adam as AdamStep::apply, each lane at its own step.
   void adam(double lr, double beta1, double beta2, double eps, double weight_decay_) {
     const float weight_decay = static_cast<float>(weight_decay_);
     const float weight = static_cast<float>(1.0 - beta1), b2 = static_cast<float>(beta2);
