@@ -485,7 +485,8 @@ inline void heads_of_bits(const uint64_t* bits, index_t n, uint8_t* out) {
   for (index_t e = 0; e < n; e += 64) {
     __m512i heads = _mm512_setzero_si512();
     for (int k = 0; k < 8; ++k)
-      heads = _mm512_or_si512(heads, _mm512_maskz_mov_epi8(word_at(k * n + e), _mm512_set1_epi8(static_cast<char>(1 << k))));
+      heads = _mm512_or_si512(heads,
+                              _mm512_maskz_mov_epi8(word_at(k * n + e), _mm512_set1_epi8(static_cast<char>(1 << k))));
     const index_t m = std::min<index_t>(64, n - e);
     _mm512_mask_storeu_epi8(out + e, m == 64 ? ~__mmask64{0} : (__mmask64{1} << m) - 1, heads);
   }
@@ -1812,12 +1813,13 @@ void train_replica(const Problem& p, index_t r, void* const* params, void* const
   std::optional<AdamStep> adam_step;
   if (adam != nullptr) adam_step.emplace(*adam);
   // With W by feature (the native loop's), W's rows take their Adam update in ∂L/∂W's loop (AdamRows).
+  // Set on every call, so that no call sees another's (a step that threw leaves its rows behind).
   const bool w_by_rows = std::is_same_v<T, float> && adam_step && g0.W_by_feature;
-  if (w_by_rows) {
-    const index_t n = param_numel(p, 0, 0);
-    ws.adam_rows = {&*adam_step, static_cast<float*>(params[0]) + r * n, static_cast<float*>(exp_avg[0]) + r * n,
-                    static_cast<float*>(exp_avg_sq[0]) + r * n};
-  }
+  const index_t n0 = param_numel(p, 0, 0);
+  ws.adam_rows = w_by_rows ? AdamRows{&*adam_step, static_cast<float*>(params[0]) + r * n0,
+                                      static_cast<float*>(exp_avg[0]) + r * n0,
+                                      static_cast<float*>(exp_avg_sq[0]) + r * n0}
+                           : AdamRows{};
   layer_backward_any<T>(p, 0, layer_params<T>(p, 0, params, r, W_by_feature), ws.grad_hidden.data(), ws, g0, nullptr);
   ws.adam_rows = {};
   GAT_NEXT_PHASE(timer, kStepAdam);
