@@ -310,15 +310,16 @@ inline void decide_ties(const Dropout& d, void* state, const std::vector<index_t
   }
 }
 
-// The masks of ReplicaDropout.keep for `count` elements: an element is kept when a uniform 32-bit u is at
-// least the threshold; u's top byte decides unless it ties the threshold's, and the ties then draw one
-// 64-bit word each, in order, whose low 24 bits decide. The top bytes come 8 to a word, little-endian.
 // Of n ≤ 64 · kTopBlocks drawn top bytes, the kept ones (above the threshold's top byte) as one 64-bit mask per 64
 // bytes (bit b of kept[m]: byte 64 m + b), and the ties (equal to it) pushed onto `ties` in order, as first + their
 // position. With AVX-512, one compare of 64 bytes each: a word at a time, with a branch on its rare ties, had cost as
 // much as drawing the words. No branch per block either: the blocks with a tie (about 1 in 4) are listed as they
 // come, then walked.
 constexpr index_t kTopBlocks = 128;
+#if defined(__AVX512BW__)
+// The first m (at most 64) bits set.
+inline __mmask64 first_bits(index_t m) { return m >= 64 ? ~__mmask64{0} : (__mmask64{1} << m) - 1; }
+#endif
 inline void classify_top_bytes(const uint8_t* bytes, index_t n, uint8_t top, index_t first, uint64_t* kept,
                                std::vector<index_t>& ties) {
 #if defined(__AVX512BW__)
@@ -326,8 +327,7 @@ inline void classify_top_bytes(const uint8_t* bytes, index_t n, uint8_t top, ind
   __mmask64 tied[kTopBlocks];
   index_t tied_block[kTopBlocks], listed = 0;
   for (index_t block = 0; 64 * block < n; ++block) {
-    const index_t m = std::min<index_t>(64, n - 64 * block);
-    const __mmask64 valid = m == 64 ? ~__mmask64{0} : (__mmask64{1} << m) - 1;
+    const __mmask64 valid = first_bits(n - 64 * block);
     const __m512i drawn = _mm512_maskz_loadu_epi8(valid, bytes + 64 * block);
     tied[listed] = _mm512_mask_cmpeq_epu8_mask(valid, drawn, tops);
     tied_block[listed] = block;
@@ -349,10 +349,13 @@ inline void classify_top_bytes(const uint8_t* bytes, index_t n, uint8_t top, ind
 }
 
 #if defined(__AVX512BW__)
-// The masks of 16 floats (bits q to q + 15 of a block's kept mask), and which of them exist when the block has m.
+// Bits q to q + 15 of a block's 64-bit mask: the mask of its floats q to q + 15.
 inline __mmask16 sixteen(__mmask64 mask, index_t q) { return static_cast<__mmask16>(mask >> q); }
 #endif
 
+// The masks of ReplicaDropout.keep for `count` elements: an element is kept when a uniform 32-bit u is at
+// least the threshold; u's top byte decides unless it ties the threshold's, and the ties then draw one
+// 64-bit word each, in order, whose low 24 bits decide. The top bytes come 8 to a word, little-endian.
 template <typename T>
 void draw_mask(const Dropout& d, void* state, index_t count, T* mask, std::vector<index_t>& ties) {
   ties.clear();
@@ -371,7 +374,7 @@ void draw_mask(const Dropout& d, void* state, index_t count, T* mask, std::vecto
         for (index_t q = 0; q < 64; q += 16)
           _mm512_storeu_ps(mask + base + 64 * block + q, _mm512_maskz_mov_ps(sixteen(kept[block], q), scales));
       if (full * 64 < n) {  // the last block's n % 64 floats
-        const __mmask64 valid = (__mmask64{1} << n % 64) - 1;
+        const __mmask64 valid = first_bits(n % 64);
         for (index_t q = 0; q < 64; q += 16)
           _mm512_mask_storeu_ps(mask + base + 64 * full + q, sixteen(valid, q),
                                 _mm512_maskz_mov_ps(sixteen(kept[full], q), scales));
@@ -432,11 +435,8 @@ inline void draw_kept_bytes(const Dropout& d, void* state, index_t count, uint8_
   for (index_t base = 0; base < count; base += 64 * kTopBlocks) {
     const index_t n = std::min(64 * kTopBlocks, count - base);
     classify_top_bytes(out + base, n, d.threshold_top, base, kept, ties);
-    for (index_t block = 0; 64 * block < n; ++block) {
-      const index_t m = std::min<index_t>(64, n - 64 * block);
-      const __mmask64 valid = m == 64 ? ~__mmask64{0} : (__mmask64{1} << m) - 1;
-      _mm512_mask_storeu_epi8(out + base + 64 * block, valid, _mm512_movm_epi8(kept[block]));
-    }
+    for (index_t block = 0; 64 * block < n; ++block)
+      _mm512_mask_storeu_epi8(out + base + 64 * block, first_bits(n - 64 * block), _mm512_movm_epi8(kept[block]));
   }
 #else
   constexpr uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
@@ -487,8 +487,7 @@ inline void heads_of_bits(const uint64_t* bits, index_t n, uint8_t* out) {
     for (int k = 0; k < 8; ++k)
       heads = _mm512_or_si512(heads,
                               _mm512_maskz_mov_epi8(word_at(k * n + e), _mm512_set1_epi8(static_cast<char>(1 << k))));
-    const index_t m = std::min<index_t>(64, n - e);
-    _mm512_mask_storeu_epi8(out + e, m == 64 ? ~__mmask64{0} : (__mmask64{1} << m) - 1, heads);
+    _mm512_mask_storeu_epi8(out + e, first_bits(n - e), heads);
   }
 #else
   for (index_t e = 0; e < n; ++e) {
