@@ -711,6 +711,26 @@ inline void halves(Vec16f v, Vec8<float>& low, Vec8<float>& high) {
 #endif
 }
 
+typedef int32_t Vec16i __attribute__((vector_size(16 * sizeof(int32_t))));
+
+// sum8_each over 16-lane vectors: pairs[m] holds head 2m's 8 values in lanes 0-7 and head 2m + 1's in lanes 8-15.
+// Lane k of the result is sum8 of head k's values, the same pairs added in the same order as sum8_each: the steps
+// below are sum8_each's, run in both halves at once (heads 0, 2, 4, 6 below, 1, 3, 5, 7 above), with the last
+// shuffle putting the heads back in order. Half the shuffles of sum8_each on 8 vectors.
+inline Vec8<float> sum8_each_pairs(const Vec16f pairs[4]) {
+  auto pairwise = [](Vec16f a, Vec16f b) {  // sum8_each's `pairs` in each half
+    return __builtin_shuffle(a, b, Vec16i{0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30}) +
+           __builtin_shuffle(a, b, Vec16i{1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31});
+  };
+  // lanes 0-7: the sums (a0+a1)+(a2+a3) of heads 0, 2, 4, 6, then their (a4+a5)+(a6+a7); lanes 8-15: heads 1, 3, 5, 7
+  const Vec16f quarters = pairwise(pairwise(pairs[0], pairs[1]), pairwise(pairs[2], pairs[3]));
+  // lanes 0-7: head k's first sum, lanes 8-15: its second, k = 0..7
+  const Vec16f by_head = __builtin_shuffle(quarters, Vec16i{0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15});
+  Vec8<float> first, second;
+  halves(by_head, first, second);
+  return first + second;
+}
+
 // The 8 × 8 matrix `rows` transposed in place: lane k of rows[f] becomes lane f of rows[k] (AVX2's unpack, shuffle
 // and 128-bit permute pattern; moves only, no arithmetic).
 template <typename T>
@@ -745,6 +765,45 @@ inline Vec8<T> half_scores8(const T* g, const T* a, const T* b) {
   for (int f = 0; f < 8; ++f) s += products[f];
   return s + load8(b);
 }
+
+#if defined(__AVX512F__)
+// transpose8 of two 8 × 8 matrices at once, one in the lanes 0-7 of `rows`, the other in lanes 8-15: the same moves
+// within each half.
+inline void transpose8_halves(Vec16f rows[8]) {
+  Vec16f t[8], u[8];
+  for (int r = 0; r < 8; r += 2) {
+    t[r] = __builtin_shuffle(rows[r], rows[r + 1], Vec16i{0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29});
+    t[r + 1] =
+        __builtin_shuffle(rows[r], rows[r + 1], Vec16i{2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31});
+  }
+  for (int r = 0; r < 8; r += 4)
+    for (int h = 0; h < 2; ++h) {
+      u[r + 2 * h] =
+          __builtin_shuffle(t[r + h], t[r + h + 2], Vec16i{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29});
+      u[r + 2 * h + 1] =
+          __builtin_shuffle(t[r + h], t[r + h + 2], Vec16i{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+    }
+  for (int f = 0; f < 4; ++f) {
+    rows[f] = __builtin_shuffle(u[f], u[f + 4], Vec16i{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27});
+    rows[f + 4] = __builtin_shuffle(u[f], u[f + 4], Vec16i{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+  }
+}
+
+// half_scores8 of two nodes at once (g_a's in lanes 0-7, g_b's in lanes 8-15), written to out[0..16): each half takes
+// half_scores8's products, moves and sums, so each node's lanes are the same floats; the transposes cost half.
+inline void half_scores_two(const float* g_a, const float* g_b, const float* a, const float* b, float* out) {
+  Vec16f products[8];
+  for (int k = 0; k < 8; ++k) {
+    const __m512d both = _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(g_a + k * 8))),
+                                            _mm256_castps_pd(_mm256_loadu_ps(g_b + k * 8)), 1);
+    products[k] = reinterpret_cast<Vec16f>(_mm512_castpd_ps(both)) * twice(a + k * 8);
+  }
+  transpose8_halves(products);  // products[f]: feature f's product in each head, of either node
+  Vec16f s = {};
+  for (int f = 0; f < 8; ++f) s += products[f];
+  store16(out, s + twice(b));
+}
+#endif
 
 // The first layer of the paper's model (8 heads of 8 features) has a layout of its own; see layer_forward.
 template <int FC>
@@ -1017,10 +1076,21 @@ void first_layer_attention(const Problem& p, const LayerParams<T>& w, bool train
   // Each node's two half-scores, [S, 8] and [Tn, 8]: s(j)_k = a_k · g_kj + b_k.
   ws.s_source.resize(S * 8);
   ws.s_target.resize(Tn * 8);
-  for (index_t j = 0; j < S; ++j)  // g by source: head k of source j at 64 j + 8 k
-    store8(ws.s_source.data() + j * 8, half_scores8(c.g.data() + j * 64, w.a_source, w.b_source));
-  for (index_t i = 0; i < Tn; ++i)
-    store8(ws.s_target.data() + i * 8, half_scores8(c.g.data() + b.target_in_source[i] * 64, w.a_target, w.b_target));
+  const index_t* target_row = b.target_in_source;  // g by source: head k of source j at 64 j + 8 k
+  index_t j = 0, i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {  // two nodes at a time
+    for (; j + 2 <= S; j += 2)
+      half_scores_two(c.g.data() + j * 64, c.g.data() + (j + 1) * 64, w.a_source, w.b_source,
+                      ws.s_source.data() + j * 8);
+    for (; i + 2 <= Tn; i += 2)
+      half_scores_two(c.g.data() + target_row[i] * 64, c.g.data() + target_row[i + 1] * 64, w.a_target, w.b_target,
+                      ws.s_target.data() + i * 8);
+  }
+#endif
+  for (; j < S; ++j) store8(ws.s_source.data() + j * 8, half_scores8(c.g.data() + j * 64, w.a_source, w.b_source));
+  for (; i < Tn; ++i)
+    store8(ws.s_target.data() + i * 8, half_scores8(c.g.data() + target_row[i] * 64, w.a_target, w.b_target));
   if (!training) {
     GAT_NEXT_PHASE(timer, kUntimed);  // first_layer_inference times itself
     return first_layer_inference(p, w, ws, c, output);
@@ -1194,7 +1264,7 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
           if (F <= 8) {
             // Two outputs per 16-lane vector: the weights of outputs 2m and 2m + 1 for each chunk of 8 inputs side
             // by side (zeros past F), times that chunk of h in both halves. Lane by lane the sums of the 8-lane loop
-            // below, each half then summed across its lanes by sum8_each as there.
+            // below, each half then summed across its lanes as sum8_each sums them there (sum8_each_pairs).
             ws.weight_pairs.assign(4 * fin * 2, T(0));
             for (index_t f = 0; f < F; ++f)
               for (index_t q = 0; q < fin; ++q)
@@ -1207,9 +1277,7 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
                 const Vec16f h = twice(hj + q);
                 for (index_t m = 0; m < pairs; ++m) acc[m] += h * load16(ws.weight_pairs.data() + (m * fin + q) * 2);
               }
-              Vec8<T> by_output[8] = {};  // output f's 8 lanes
-              for (index_t m = 0; m < pairs; ++m) halves(acc[m], by_output[2 * m], by_output[2 * m + 1]);
-              const Vec8<T> sums = sum8_each<T>(by_output);
+              const Vec8<T> sums = sum8_each_pairs(acc);  // output f's 8 lanes summed (zeros past F)
               for (index_t f = 0; f < F; ++f) c.g[(k * S + j) * F + f] = sums[f];
             }
             continue;
@@ -1458,9 +1526,26 @@ void first_layer_backward(const Problem& p, const LayerParams<T>& w, const T* gr
     for (int k = 0; k < 8; ++k) dv[k] = load8(dout + i * 64 + k * 8);
     for (index_t e = b.crow[i]; e < b.crow[i + 1]; ++e) {
       const index_t j = b.source[e];
-      V prod[8];
-      for (int k = 0; k < 8; ++k) prod[k] = dv[k] * load8(gd + j * 64 + k * 8);
-      const V da = sum8_each<T>(prod);  // lane k: head k's dot product, its lanes summed as sum8 sums them
+      // The rows of g dropped and ∂L/∂g of the source 6 edges on (4 cache lines each), asked for now: this loop
+      // otherwise waited on them, its sources in no order (python -m benchmarks.kernel_phases: 0.89-0.93 of the
+      // phase's time with them). A hint only; no value changes.
+      if (e + 6 < E) {
+        const index_t ahead = b.source[e + 6];
+        for (int line = 0; line < 4; ++line) {
+          __builtin_prefetch(gd + ahead * 64 + line * 16);
+          __builtin_prefetch(dg + ahead * 64 + line * 16, 1);
+        }
+      }
+      V da;  // lane k: head k's dot product, its lanes summed as sum8 sums them
+      if constexpr (kWideVectors && std::is_same_v<T, float>) {  // two heads a vector, half the shuffles
+        Vec16f prod[4];
+        for (int m = 0; m < 4; ++m) prod[m] = load16(dout + i * 64 + m * 16) * load16(gd + j * 64 + m * 16);
+        da = sum8_each_pairs(prod);
+      } else {
+        V prod[8];
+        for (int k = 0; k < 8; ++k) prod[k] = dv[k] * load8(gd + j * 64 + k * 8);
+        da = sum8_each<T>(prod);
+      }
       store8(ws.grad_alpha.data() + e * 8, dropout ? da * load8(multipliers + 8 * c.alpha_kept[e]) : da);
       if constexpr (kWideVectors && std::is_same_v<T, float>) {  // heads 2m and 2m + 1 at once
         const V a = load8(a_dropped + e * 8);
