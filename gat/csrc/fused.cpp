@@ -713,14 +713,21 @@ inline void halves(Vec16f v, Vec8<float>& low, Vec8<float>& high) {
 
 typedef int32_t Vec16i __attribute__((vector_size(16 * sizeof(int32_t))));
 
+// The 8-lane shuffle of two vectors with indices L (0-7: lanes of a, 8-15: lanes of b), as in sum8_each and
+// transpose8, done in each half of two 16-lane vectors at once.
+template <int... L>
+inline Vec16f in_each_half(Vec16f a, Vec16f b) {
+  static_assert(sizeof...(L) == 8);
+  return __builtin_shuffle(a, b, Vec16i{(L < 8 ? L : L + 8)..., (L < 8 ? L + 8 : L + 16)...});
+}
+
 // sum8_each over 16-lane vectors: pairs[m] holds head 2m's 8 values in lanes 0-7 and head 2m + 1's in lanes 8-15.
 // Lane k of the result is sum8 of head k's values, the same pairs added in the same order as sum8_each: the steps
 // below are sum8_each's, run in both halves at once (heads 0, 2, 4, 6 below, 1, 3, 5, 7 above), with the last
 // shuffle putting the heads back in order. Half the shuffles of sum8_each on 8 vectors.
 inline Vec8<float> sum8_each_pairs(const Vec16f pairs[4]) {
   auto pairwise = [](Vec16f a, Vec16f b) {  // sum8_each's `pairs` in each half
-    return __builtin_shuffle(a, b, Vec16i{0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30}) +
-           __builtin_shuffle(a, b, Vec16i{1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31});
+    return in_each_half<0, 2, 8, 10, 4, 6, 12, 14>(a, b) + in_each_half<1, 3, 9, 11, 5, 7, 13, 15>(a, b);
   };
   // lanes 0-7: the sums (a0+a1)+(a2+a3) of heads 0, 2, 4, 6, then their (a4+a5)+(a6+a7); lanes 8-15: heads 1, 3, 5, 7
   const Vec16f quarters = pairwise(pairwise(pairs[0], pairs[1]), pairwise(pairs[2], pairs[3]));
@@ -767,25 +774,22 @@ inline Vec8<T> half_scores8(const T* g, const T* a, const T* b) {
 }
 
 #if defined(__AVX512F__)
-// transpose8 of two 8 × 8 matrices at once, one in the lanes 0-7 of `rows`, the other in lanes 8-15: the same moves
-// within each half.
+// transpose8 of two 8 × 8 matrices at once, one in the lanes 0-7 of `rows`, the other in lanes 8-15: transpose8's
+// moves, with its indices, within each half.
 inline void transpose8_halves(Vec16f rows[8]) {
   Vec16f t[8], u[8];
   for (int r = 0; r < 8; r += 2) {
-    t[r] = __builtin_shuffle(rows[r], rows[r + 1], Vec16i{0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29});
-    t[r + 1] =
-        __builtin_shuffle(rows[r], rows[r + 1], Vec16i{2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31});
+    t[r] = in_each_half<0, 8, 1, 9, 4, 12, 5, 13>(rows[r], rows[r + 1]);
+    t[r + 1] = in_each_half<2, 10, 3, 11, 6, 14, 7, 15>(rows[r], rows[r + 1]);
   }
   for (int r = 0; r < 8; r += 4)
     for (int h = 0; h < 2; ++h) {
-      u[r + 2 * h] =
-          __builtin_shuffle(t[r + h], t[r + h + 2], Vec16i{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29});
-      u[r + 2 * h + 1] =
-          __builtin_shuffle(t[r + h], t[r + h + 2], Vec16i{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+      u[r + 2 * h] = in_each_half<0, 1, 8, 9, 4, 5, 12, 13>(t[r + h], t[r + h + 2]);
+      u[r + 2 * h + 1] = in_each_half<2, 3, 10, 11, 6, 7, 14, 15>(t[r + h], t[r + h + 2]);
     }
   for (int f = 0; f < 4; ++f) {
-    rows[f] = __builtin_shuffle(u[f], u[f + 4], Vec16i{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27});
-    rows[f + 4] = __builtin_shuffle(u[f], u[f + 4], Vec16i{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+    rows[f] = in_each_half<0, 1, 2, 3, 8, 9, 10, 11>(u[f], u[f + 4]);
+    rows[f + 4] = in_each_half<4, 5, 6, 7, 12, 13, 14, 15>(u[f], u[f + 4]);
   }
 }
 
