@@ -564,6 +564,50 @@ def _draw_words(drop: object, replica: int, count: int) -> tuple[int, list[int]]
     return draw(ctypes.addressof(drop), replica, count, words.ctypes.data), words.tolist()
 
 
+def exp_lanes_mismatches(lib: object, first: int, count: int) -> int:
+    """fused.cpp's gat_exp_lanes_mismatches (a hook for these tests, as gat_draw_words): of the floats whose bits are
+    first .. first + count - 1, how many exp_lanes gives other bytes than exp_inplace, in 16 lanes or in 8."""
+    import ctypes
+
+    mismatches = lib.gat_exp_lanes_mismatches
+    mismatches.argtypes = [ctypes.c_uint32, ctypes.c_int64]
+    mismatches.restype = ctypes.c_int64
+    return mismatches(first, count)
+
+
+def test_exp_in_vector_lanes_gives_exp_inplaces_bytes_on_a_sample_of_floats() -> None:
+    """exp_lanes (the ELU slope beside its product in the backward pass) computes exp_approx's operations in vector
+    lanes: 4096 runs of 4096 consecutive floats, one run every 2^20 bit patterns (both signs, subnormals, the clamps
+    at about -87.3 and 88.4, infinities and NaNs), each float's bytes as exp_inplace's."""
+    lib = fused.library()
+    assert sum(exp_lanes_mismatches(lib, first, 4096) for first in range(0, 1 << 32, 1 << 20)) == 0
+
+
+@pytest.mark.slow
+def test_exp_in_vector_lanes_gives_exp_inplaces_bytes_on_every_float() -> None:
+    """All 2^32 bit patterns, in 16 and in 8 lanes (about 20 s)."""
+    assert exp_lanes_mismatches(fused.library(), 0, 1 << 32) == 0
+
+
+@pytest.mark.slow
+def test_the_exp_check_finds_a_lane_that_rounds_otherwise(tmp_path: Path) -> None:
+    """A kernel whose exp_lanes rounds its reduced argument one step otherwise (the second half of ln 2 one ulp off)
+    compiles, and the check counts the floats it gets wrong: the sample test above can fail."""
+    import ctypes
+
+    source = fused.SOURCE.read_text()
+    wrong = source.replace("  X r = xc - n * 0.693359375f;\n  r = r - n * -2.12194440e-4f;",
+                           "  X r = xc - n * 0.693359375f;\n  r = r - n * -2.12194455e-4f;")
+    assert wrong != source, "the mutation no longer applies to fused.cpp"
+    (tmp_path / "fused.cpp").write_text(wrong)
+    library = tmp_path / "wrong.so"
+    built = subprocess.run(fused.compile_command(fused.compiler(), tmp_path / "fused.cpp", library, ["-O1"]),
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    wrong_lib = ctypes.CDLL(str(library))
+    assert sum(exp_lanes_mismatches(wrong_lib, first, 4096) for first in range(0, 1 << 32, 1 << 20)) > 0
+
+
 # The first word alone; each chain last; the longest run without vector lanes (32), then 16 lanes for one jump with
 # no, one and two words after it (33-35, AVX-512 builds); long runs.
 @pytest.mark.parametrize("count", [1, 2, 3, 32, 33, 34, 35, 256, 1001])

@@ -9,7 +9,9 @@ tools.build_fused --fingerprint`, in a process of its own, which
   against the torch path, on small random graphs), so every build passes the kernel's correctness checks;
 - prints the SHA-256 of the float32 weights after a short training run, and of seeds trained as vector lanes at
   each lane width (4, 8, 16: per level, one vector of SSE, AVX2 or AVX-512, or several, or the plain-code widening
-  of the masks at v1), so every width of every build must give the per-seed kernel's bytes.
+  of the masks at v1), so every width of every build must give the per-seed kernel's bytes;
+- (but the sanitizers' build) computes exp in vector lanes (exp_lanes, 8 and 16 lanes at the build's widths) on a
+  sample of floats, each float's bytes as the array loop's (tests/test_fused.py runs every float on the default build).
 
 With no fast-math and no FMA contraction, each operation rounds alike at every vector width, so every build must
 give the same fingerprint as the default one, bit for bit. GCC 12.2 at -O3 -march=x86-64-v3 once failed the float64
@@ -18,6 +20,7 @@ check (the README's "The fused kernel"): this is the test that would have caught
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -26,6 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_fused import exp_lanes_mismatches
 
 REPO = Path(__file__).resolve().parents[1]
 COMPILER = shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++")
@@ -101,5 +105,11 @@ def test_every_build_passes_its_self_check_and_trains_the_same_bits(name: str, t
         pytest.skip(missing)
     optimisation, extra_env = BUILDS[name]
     assert build_and_fingerprint(optimisation, tmp_path, extra_env) == default_fingerprint
-    assert len(list(tmp_path.glob("gat_fused-*.so"))) == 1  # and nothing else: no partial file, no rejection
+    built = list(tmp_path.glob("gat_fused-*.so"))
+    assert len(built) == 1  # and nothing else: no partial file, no rejection
     assert not list(tmp_path.glob("*.rejected")) and not list(tmp_path.glob("*.partial"))
+    if "-fsanitize" not in optimisation:  # (the sanitizers' runtime would have to come first in this process)
+        # exp in vector lanes at this build's widths (16 lanes as AVX-512, as two AVX2 vectors, or four SSE ones):
+        # the test_fused sample of floats, each float's bytes as exp_inplace's.
+        library = ctypes.CDLL(str(built[0]))
+        assert sum(exp_lanes_mismatches(library, first, 4096) for first in range(0, 1 << 32, 1 << 20)) == 0

@@ -700,6 +700,19 @@ inline Vec16f twice(const float* p) {
 #endif
 }
 
+// `low` in lanes 0-7 and `high` in lanes 8-15: halves' inverse.
+inline Vec16f joined(Vec8<float> low, Vec8<float> high) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Vec16f>(_mm512_insertf64x4(_mm512_castpd256_pd512(reinterpret_cast<__m256d>(low)),
+                                                     reinterpret_cast<__m256d>(high), 1));
+#else
+  Vec16f out;
+  std::memcpy(&out, &low, sizeof low);
+  std::memcpy(reinterpret_cast<float*>(&out) + 8, &high, sizeof high);
+  return out;
+#endif
+}
+
 inline void halves(Vec16f v, Vec8<float>& low, Vec8<float>& high) {
 #if defined(__AVX512F__)
   const __m512 wide = reinterpret_cast<__m512>(v);
@@ -858,6 +871,66 @@ __attribute__((always_inline)) inline float exp_approx(float x) {
   return x < lo ? 0.0f : y * scale;
 }
 
+// floor lane by lane, for 8 or 16 lanes of float (SSE4.1's and AVX-512's rounding toward -inf, which is exact, as
+// std::floor is; lane by lane std::floor without them).
+template <typename X>
+__attribute__((always_inline)) inline X floor_lanes(X v) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(X) == 64)
+    return reinterpret_cast<X>(
+        _mm512_roundscale_ps(reinterpret_cast<__m512>(v), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+#endif
+#if defined(__AVX__)
+  if constexpr (sizeof(X) == 32)
+    return reinterpret_cast<X>(_mm256_round_ps(reinterpret_cast<__m256>(v), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+#endif
+  X out = v;
+  for (size_t k = 0; k < sizeof(X) / sizeof(float); ++k) out[k] = std::floor(v[k]);
+  return out;
+}
+
+// exp_approx lane by lane, for 8 or 16 lanes of float: its operations in its order (std::max and std::min as the
+// compares they are), so each lane's bytes are exp_approx's (tests/test_fused.py compares them on every float).
+// For a loop that cannot hand exp_inplace a whole array: a neighbourhood's scores, ELU's slope beside its product.
+template <typename X>
+__attribute__((always_inline)) inline X exp_lanes(X x) {
+  using I = typename std::conditional<sizeof(X) == 64, Vec16i, Vec8<int32_t>>::type;
+  constexpr float lo = -87.3365447504019f, hi = 88.3762626647949f;
+  const X zero = {};
+  const X above = x < lo ? zero + lo : x;           // std::max(x, lo)
+  const X xc = hi < above ? zero + hi : above;      // std::min(above, hi)
+  const X n = floor_lanes(xc * 1.44269504088896341f + 0.5f);
+  X r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  X y = zero + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  return x < lo ? zero : y * reinterpret_cast<X>(bits);
+}
+
+// exp lane by lane, each lane as exp_inplace computes it: exp_lanes for float, the C library's exp for double.
+template <typename X>
+__attribute__((always_inline)) inline X exp_each(X x) {
+  if constexpr (sizeof(x[0]) == sizeof(double)) {
+    for (size_t k = 0; k < sizeof(X) / sizeof(double); ++k) x[k] = std::exp(x[k]);
+    return x;
+  } else {
+    return exp_lanes(x);
+  }
+}
+
+// ELU's slope exp(min(x, 0)), lane by lane (1 where x > 0: exp_approx(0) is 1 exactly).
+template <typename X>
+__attribute__((always_inline)) inline X elu_slope(X x) {
+  const X zero = {};
+  return exp_each(zero < x ? zero : x);  // std::min(x, 0)
+}
+
 // Taylor's series of expm1 near 0, where exp(x) - 1 would cancel: for one float, or lane by lane for 8.
 template <typename X>
 __attribute__((always_inline)) inline X expm1_near_zero(X x) {
@@ -884,41 +957,51 @@ void exp_inplace(float* x, index_t n) {
 void exp_inplace(double* x, index_t n) {
   for (index_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
 }
-// ELU in place: x > 0 ? x : expm1(x). In 8 values above -0.5 (all but 0.3 % of the groups of 8 that 4 seeds of Cora
-// passed through it to their early stop, counted in an instrumented copy) each lane's expm1 is the series, so exp's
-// polynomial, which the scalar expression computes in every lane before it selects, runs only for the groups that
-// need it. Each lane takes the scalar expression's operations on the same values, so the bytes are the same.
+// Whether every lane of 8 or 16 floats is above -0.5: false where a lane is NaN (the lane-by-lane path takes it).
+template <typename X>
+__attribute__((always_inline)) inline bool above_minus_half(X v) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(X) == 64)
+    return _mm512_cmp_ps_mask(reinterpret_cast<__m512>(v), _mm512_set1_ps(-0.5f), _CMP_GT_OQ) == 0xFFFF;
+#endif
+  const auto near = v > -0.5f;
+#if defined(__AVX__)
+  if constexpr (sizeof(X) == 32) return _mm256_movemask_ps(reinterpret_cast<__m256>(near)) == 0xFF;
+#endif
+  bool all_near = true;
+  for (size_t k = 0; k < sizeof(X) / sizeof(float); ++k) all_near = all_near && near[k];
+  return all_near;
+}
+
+// ELU of 8 or 16 lanes: x > 0 ? x : expm1(x). Where every lane is above -0.5 (all but 0.3 % of the groups of 8 that 4
+// seeds of Cora passed through it to their early stop, counted in an instrumented copy) each lane's expm1 is the
+// series, so exp's polynomial, which the scalar expression computes in every lane before it selects, runs only for
+// the groups that need it. Each lane takes the scalar expression's operations on the same values, so its bytes do not
+// depend on the lanes beside it. double: the C library's expm1, lane by lane.
+template <typename X>
+__attribute__((always_inline)) inline X elu_lanes(X v) {
+  constexpr size_t lanes = sizeof(X) / sizeof(v[0]);
+  if constexpr (sizeof(v[0]) == sizeof(double)) {
+    for (size_t k = 0; k < lanes; ++k) v[k] = v[k] > 0.0 ? v[k] : std::expm1(v[k]);
+    return v;
+  } else {
+    const X zero = {};
+    if (above_minus_half(v)) {
+      const X negative = zero < v ? zero : v;  // std::min(v, 0.0f), -0 kept as -0
+      return v > zero ? v : expm1_near_zero(negative);
+    }
+    for (size_t k = 0; k < lanes; ++k) v[k] = v[k] > 0.0f ? v[k] : expm1_approx(std::min(v[k], 0.0f));
+    return v;
+  }
+}
+
+// ELU in place, 16 values at a time where the CPU has the lanes, then 8, then one by one.
 void elu_inplace(float* x, index_t n) {
-  using V = Vec8<float>;
-  const V zero = {}, minus_half = zero - 0.5f;
   index_t i = 0;
 #if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {  // 16 values at a time, as the 8 below
-    const Vec16f v = load16(x + i), zero16 = {};
-    if (_mm512_cmp_ps_mask(reinterpret_cast<__m512>(v), _mm512_set1_ps(-0.5f), _CMP_GT_OQ) == 0xFFFF) {
-      const Vec16f negative = zero16 < v ? zero16 : v;
-      store16(x + i, v > zero16 ? v : expm1_near_zero(negative));
-    } else {
-      for (index_t j = i; j < i + 16; ++j) x[j] = x[j] > 0.0f ? x[j] : expm1_approx(std::min(x[j], 0.0f));
-    }
-  }
+  for (; i + 16 <= n; i += 16) store16(x + i, elu_lanes(load16(x + i)));
 #endif
-  for (; i + 8 <= n; i += 8) {
-    const V v = load8(x + i);
-    const auto near = v > minus_half;  // false in a NaN lane too: the scalar expression takes it
-#if defined(__AVX__)
-    const bool all_near = _mm256_movemask_ps(reinterpret_cast<__m256>(near)) == 0xFF;
-#else
-    bool all_near = true;
-    for (int k = 0; k < 8; ++k) all_near = all_near && near[k];
-#endif
-    if (all_near) {
-      const V negative = zero < v ? zero : v;  // std::min(v, 0.0f), -0 kept as -0
-      store8(x + i, v > zero ? v : expm1_near_zero(negative));
-    } else {
-      for (index_t j = i; j < i + 8; ++j) x[j] = x[j] > 0.0f ? x[j] : expm1_approx(std::min(x[j], 0.0f));
-    }
-  }
+  for (; i + 8 <= n; i += 8) store8(x + i, elu_lanes(load8(x + i)));
   // The last n % 8 values (i is the largest multiple of 8 up to n): counted so, GCC sees that this loop ends.
   for (index_t j = 0; j < n % 8; ++j) x[i + j] = x[i + j] > 0.0f ? x[i + j] : expm1_approx(std::min(x[i + j], 0.0f));
 }
@@ -996,7 +1079,7 @@ inline void in_groups(index_t targets, Visit visit) {
 
 // The paper's first layer past g in a validation or test pass (no dropout, nothing kept for a backward pass): per
 // target, its edges' scores, softmax and weighted sum, and the ELU, written to `output` [Tn, 64] at once. Each value
-// takes the operations of first_layer_attention and layer_forward's ELU in the same order, so the bytes are theirs;
+// takes the operations of first_layer_attention, its ELU included, in the same order, so the bytes are theirs;
 // z, α and the pre-activations never leave the L1 cache.
 template <typename T>
 void first_layer_inference(const Problem& p, const LayerParams<T>& w, Workspace<T>& ws, const LayerCache<T>& c,
@@ -1050,7 +1133,7 @@ void first_layer_inference(const Problem& p, const LayerParams<T>& w, Workspace<
         for (int m = 0; m < 4; ++m) acc[q][m] += lane_pair_everywhere(a, m) * load16(gj + m * 16);
       });
       for (int q = 0; q < P; ++q)
-        for (int m = 0; m < 4; ++m) store16(out + q * 64 + m * 16, acc[q][m] + load16(w.bias + m * 16));
+        for (int m = 0; m < 4; ++m) store16(out + q * 64 + m * 16, elu_lanes(acc[q][m] + load16(w.bias + m * 16)));
     } else {
       V acc[P][8] = {};  // head k
       interleaved_edges(n, [&](int q, index_t e) {
@@ -1058,14 +1141,13 @@ void first_layer_inference(const Problem& p, const LayerParams<T>& w, Workspace<
         for (int k = 0; k < 8; ++k) acc[q][k] += broadcast8(alpha[q] + e * 8 + k) * load8(gj + k * 8);
       });
       for (int q = 0; q < P; ++q)
-        for (int k = 0; k < 8; ++k) store8(out + q * 64 + k * 8, acc[q][k] + load8(w.bias + k * 8));
+        for (int k = 0; k < 8; ++k) store8(out + q * 64 + k * 8, elu_lanes(acc[q][k] + load8(w.bias + k * 8)));
     }
-    elu_inplace(out, P * 64);
   });
 }
 
-// The attention of the paper's first layer (8 heads of 8 features), its dropout and its aggregation into c.pre,
-// with the 8 heads as the 8 lanes of a vector in every per-edge operation: scores, LeakyReLU, the softmax and the
+// The attention of the paper's first layer (8 heads of 8 features), its dropout, its aggregation into c.pre and
+// the ELU of that into `output` [Tn, 64], with the 8 heads as the 8 lanes of a vector in every per-edge operation: scores, LeakyReLU, the softmax and the
 // weighted sum. Each lane computes what the general code computes for its head, operation by operation and in the
 // same order, so the results are the same to the bit; the per-edge work takes an eighth of the instructions.
 // z and α stay edge-major [E, 8] in ws.z8 and ws.alpha8 for the backward pass (first_layer_backward_softmax).
@@ -1159,7 +1241,19 @@ void first_layer_attention(const Problem& p, const LayerParams<T>& w, bool train
       const index_t j = b.source[e];
       for (int k = 0; k < 8; ++k) acc[k] += broadcast8(a_dropped + e * 8 + k) * load8(g_dropped + j * 64 + k * 8);
     }
-    for (int k = 0; k < 8; ++k) store8(c.pre.data() + (k * Tn + i) * 8, acc[k] + load8(w.bias + k * 8));
+    V pre[8];
+    for (int k = 0; k < 8; ++k) {
+      pre[k] = acc[k] + load8(w.bias + k * 8);
+      store8(c.pre.data() + (k * Tn + i) * 8, pre[k]);  // for the backward pass's ELU slope
+    }
+    // The layer's output [Tn, 64]: the row's ELU now, while its sums are in registers (elu_inplace over the whole
+    // output took two more passes through memory, a copy by head and the ELU).
+    T* out = output + i * 64;
+    if constexpr (kWideVectors && std::is_same_v<T, float>) {
+      for (int m = 0; m < 4; ++m) store16(out + m * 16, elu_lanes(joined(pre[2 * m], pre[2 * m + 1])));
+    } else {
+      for (int k = 0; k < 8; ++k) store8(out + k * 8, elu_lanes(pre[k]));
+    }
   }
 }
 
@@ -1324,7 +1418,7 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
   const bool concat = l == 0;
   if (fast_first_layer<FC>(p, l)) {
     first_layer_attention(p, w, training, dropout, drop, state, ws, c, output);
-    if (!training) return;  // first_layer_inference wrote the output
+    return;  // it wrote the output, the ELU of each row included
   } else {
     // Scores of every node, gathered to edges, and the softmax over each neighbourhood.
     ws.s_target.resize(Tn);
@@ -1410,7 +1504,6 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
       }
     }
   }
-  GAT_PHASE(timer, fast_first_layer<FC>(p, l) ? kStepAggregate : kUntimed);
   if (concat) {  // ELU per head, heads concatenated: [T, H·F']
     for (index_t k = 0; k < H; ++k)
       for (index_t i = 0; i < Tn; ++i)
@@ -1503,21 +1596,32 @@ void first_layer_backward(const Problem& p, const LayerParams<T>& w, const T* gr
   const bool dropout = !c.alpha_kept.empty();
   const T* multipliers = c.multipliers.data();
   GAT_PHASE(timer, kStepBackAggregate);
-  // ∂L/∂out [Tn, 64] through ELU: exp(min(x, 0)) for every element, one product each (layer_backward says why).
-  ws.e.resize(std::max<index_t>(ws.e.size(), 8 * Tn * 8));
-  T* slope_of = ws.e.data();  // [8, Tn, 8], as c.pre
-  for (index_t n = 0; n < 8 * Tn * 8; ++n) slope_of[n] = std::min(c.pre[n], T(0));
-  exp_inplace(slope_of, 8 * Tn * 8);
+  // ∂L/∂out [Tn, 64] through ELU: exp(min(x, 0)) for every element, one product each (layer_backward says why),
+  // the slope computed beside its product: one pass over c.pre, where a pass of min, one of exp and one of products
+  // each went through memory.
   ws.grad_out.resize(Tn * 64);
   T* dout = ws.grad_out.data();
-  V bias[8] = {};
-  for (index_t i = 0; i < Tn; ++i)
-    for (int k = 0; k < 8; ++k) {
-      const V d = load8(grad_output + i * 64 + k * 8) * load8(slope_of + (k * Tn + i) * 8);
-      store8(dout + i * 64 + k * 8, d);
-      bias[k] += d;
-    }
-  for (int k = 0; k < 8; ++k) store8(g.bias + k * 8, bias[k]);
+  const T* pre = c.pre.data();  // [8, Tn, 8]
+  if constexpr (kWideVectors && std::is_same_v<T, float>) {  // heads 2m and 2m + 1: lanes 0-7 and 8-15
+    Vec16f bias[4] = {};
+    for (index_t i = 0; i < Tn; ++i)
+      for (int m = 0; m < 4; ++m) {
+        const Vec16f x = joined(load8(pre + (2 * m * Tn + i) * 8), load8(pre + ((2 * m + 1) * Tn + i) * 8));
+        const Vec16f d = load16(grad_output + i * 64 + m * 16) * elu_slope(x);
+        store16(dout + i * 64 + m * 16, d);
+        bias[m] += d;
+      }
+    for (int m = 0; m < 4; ++m) store16(g.bias + m * 16, bias[m]);
+  } else {
+    V bias[8] = {};
+    for (index_t i = 0; i < Tn; ++i)
+      for (int k = 0; k < 8; ++k) {
+        const V d = load8(grad_output + i * 64 + k * 8) * elu_slope(load8(pre + (k * Tn + i) * 8));
+        store8(dout + i * 64 + k * 8, d);
+        bias[k] += d;
+      }
+    for (int k = 0; k < 8; ++k) store8(g.bias + k * 8, bias[k]);
+  }
 
   // Aggregation: ∂L/∂α_ij = mask_ij ∂L/∂out_i · dropout(g_j); ∂L/∂g_j = mask_j Σ_i dropout(α_ij) ∂L/∂out_i.
   ws.grad_alpha.resize(E * 8);
@@ -2880,6 +2984,27 @@ int64_t gat_abi_sizes(int which) {
 // numpy's); 1 if they came from the inline PCG64 step, 0 if from numpy's next_uint64 call by call.
 int gat_draw_words(const Dropout* drop, int64_t r, int64_t count, uint64_t* out) {
   return draw_words(*drop, drop->states[r], count, reinterpret_cast<uint8_t*>(out)) ? 1 : 0;
+}
+
+// How many of the floats whose bits are first, first + 1, ..., first + count - 1 (count a multiple of 16) get other
+// bytes from exp_lanes, in 16 lanes or in 8, than from exp_approx (tests/test_fused.py: every float).
+int64_t gat_exp_lanes_mismatches(uint32_t first, int64_t count) {
+  constexpr int kBlock = 4096;
+  alignas(64) uint32_t bits[kBlock], want[kBlock], wide[kBlock], narrow[kBlock];
+  int64_t wrong = 0;
+  for (int64_t at = 0; at < count; at += kBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kBlock, count - at));
+    for (int k = 0; k < n; ++k) bits[k] = first + static_cast<uint32_t>(at + k);
+    std::memcpy(want, bits, n * sizeof(float));
+    exp_inplace(reinterpret_cast<float*>(want), n);
+    for (int k = 0; k < n; k += 16) {
+      store16(reinterpret_cast<float*>(wide + k), exp_lanes(load16(reinterpret_cast<const float*>(bits + k))));
+      for (int h = 0; h < 16; h += 8)
+        store8(reinterpret_cast<float*>(narrow + k + h), exp_lanes(load8(reinterpret_cast<const float*>(bits + k + h))));
+    }
+    for (int k = 0; k < n; ++k) wrong += (wide[k] != want[k]) + (narrow[k] != want[k]);
+  }
+  return wrong;
 }
 
 // The masks of `count` elements from replica r's stream, as the kernel draws them (tests/test_fused.py checks them
