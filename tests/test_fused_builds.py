@@ -10,7 +10,7 @@ tools.build_fused --fingerprint`, in a process of its own, which
 - prints the SHA-256 of the float32 weights after a short training run, and of seeds trained as vector lanes at
   each lane width (4, 8, 16: per level, one vector of SSE, AVX2 or AVX-512, or several, or the plain-code widening
   of the masks at v1), so every width of every build must give the per-seed kernel's bytes;
-- (but the sanitizers' build) computes exp in vector lanes (exp_lanes, 8 and 16 lanes at the build's widths) on a
+- (but the sanitizers' build) computes exp in vector lanes (exp_approx, 8 and 16 lanes at the build's widths) on a
   sample of floats, each float's bytes as the array loop's (tests/test_fused.py runs every float on the default build).
 
 With no fast-math and no FMA contraction, each operation rounds alike at every vector width, so every build must

@@ -849,56 +849,51 @@ T dot(const T* a, const T* b, index_t n) {
   return s;
 }
 
-// exp and expm1 of a whole array, in loops the compiler vectorises: libm's scalar calls were a third of
-// the validation pass. float: Cephes' expf polynomial (about 1 ulp, as the SLEEF kernels torch uses);
-// double, for the gradient check only: the C library.
-__attribute__((always_inline)) inline float exp_approx(float x) {
-  constexpr float lo = -87.3365447504019f, hi = 88.3762626647949f;
-  const float xc = std::min(std::max(x, lo), hi);
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < lo ? 0.0f : y * scale;
-}
-
-// floor lane by lane, for 8 or 16 lanes of float (SSE4.1's and AVX-512's rounding toward -inf, which is exact, as
+// floor of one float, or lane by lane of 8 or 16 (SSE4.1's and AVX-512's rounding toward -inf, which is exact, as
 // std::floor is; lane by lane std::floor without them).
 template <typename X>
 __attribute__((always_inline)) inline X floor_lanes(X v) {
+  if constexpr (std::is_same_v<X, float>) {
+    return std::floor(v);
+  } else {
 #if defined(__AVX512F__)
-  if constexpr (sizeof(X) == 64)
-    return reinterpret_cast<X>(
-        _mm512_roundscale_ps(reinterpret_cast<__m512>(v), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+    if constexpr (sizeof(X) == 64)
+      return reinterpret_cast<X>(
+          _mm512_roundscale_ps(reinterpret_cast<__m512>(v), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
 #endif
 #if defined(__AVX__)
-  if constexpr (sizeof(X) == 32)
-    return reinterpret_cast<X>(_mm256_round_ps(reinterpret_cast<__m256>(v), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+    if constexpr (sizeof(X) == 32)
+      return reinterpret_cast<X>(_mm256_round_ps(reinterpret_cast<__m256>(v), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
 #endif
-  X out = v;
-  for (size_t k = 0; k < sizeof(X) / sizeof(float); ++k) out[k] = std::floor(v[k]);
-  return out;
+    for (size_t k = 0; k < sizeof(X) / sizeof(float); ++k) v[k] = std::floor(v[k]);
+    return v;
+  }
 }
 
-// exp_approx lane by lane, for 8 or 16 lanes of float: its operations in its order (std::max and std::min as the
-// compares they are), so each lane's bytes are exp_approx's (tests/test_fused.py compares them on every float).
-// For a loop that cannot hand exp_inplace a whole array: a neighbourhood's scores, ELU's slope beside its product.
+// 2^n for integral n in [-126, 128] (128: infinity), one float or lane by lane: n + 127 as a float's exponent bits.
 template <typename X>
-__attribute__((always_inline)) inline X exp_lanes(X x) {
-  using I = typename std::conditional<sizeof(X) == 64, Vec16i, Vec8<int32_t>>::type;
+__attribute__((always_inline)) inline X power_of_two(X n) {
+  if constexpr (std::is_same_v<X, float>) {
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return scale;
+  } else {
+    using I = typename std::conditional<sizeof(X) == 64, Vec16i, Vec8<int32_t>>::type;
+    return reinterpret_cast<X>((__builtin_convertvector(n, I) + 127) << 23);
+  }
+}
+
+// exp of one float, or lane by lane of 8 or 16, the same operations either way (so a lane's bytes are the scalar's,
+// and exp_inplace's: tests/test_fused.py compares them on every float): Cephes' expf polynomial (about 1 ulp, as the
+// SLEEF kernels torch uses). The vectors serve loops that cannot hand exp_inplace a whole array (ELU's slope beside
+// its product).
+template <typename X>
+__attribute__((always_inline)) inline X exp_approx(X x) {
   constexpr float lo = -87.3365447504019f, hi = 88.3762626647949f;
   const X zero = {};
-  const X above = x < lo ? zero + lo : x;           // std::max(x, lo)
-  const X xc = hi < above ? zero + hi : above;      // std::min(above, hi)
+  const X above = x < lo ? zero + lo : x;       // std::max(x, lo)
+  const X xc = hi < above ? zero + hi : above;  // std::min(above, hi)
   const X n = floor_lanes(xc * 1.44269504088896341f + 0.5f);
   X r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
@@ -909,18 +904,17 @@ __attribute__((always_inline)) inline X exp_lanes(X x) {
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * (r * r) + r + 1.0f;
-  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
-  return x < lo ? zero : y * reinterpret_cast<X>(bits);
+  return x < lo ? zero : y * power_of_two(n);
 }
 
-// exp lane by lane, each lane as exp_inplace computes it: exp_lanes for float, the C library's exp for double.
+// exp lane by lane, each lane as exp_inplace computes it: exp_approx for float, the C library's exp for double.
 template <typename X>
 __attribute__((always_inline)) inline X exp_each(X x) {
   if constexpr (sizeof(x[0]) == sizeof(double)) {
     for (size_t k = 0; k < sizeof(X) / sizeof(double); ++k) x[k] = std::exp(x[k]);
     return x;
   } else {
-    return exp_lanes(x);
+    return exp_approx(x);
   }
 }
 
@@ -951,6 +945,8 @@ __attribute__((always_inline)) inline float expm1_approx(float x) {
   return x > -0.5f ? near : exp_approx(x) - 1.0f;
 }
 
+// exp of a whole array, in a loop the compiler vectorises (libm's scalar calls were a third of the validation pass);
+// double, for the gradient check only: the C library.
 void exp_inplace(float* x, index_t n) {
   for (index_t i = 0; i < n; ++i) x[i] = exp_approx(x[i]);
 }
@@ -2987,7 +2983,7 @@ int gat_draw_words(const Dropout* drop, int64_t r, int64_t count, uint64_t* out)
 }
 
 // How many of the floats whose bits are first, first + 1, ..., first + count - 1 (count a multiple of 16) get other
-// bytes from exp_lanes, in 16 lanes or in 8, than from exp_approx (tests/test_fused.py: every float).
+// bytes from exp_approx in vector lanes, 16 or 8, than from exp_inplace (tests/test_fused.py: every float).
 int64_t gat_exp_lanes_mismatches(uint32_t first, int64_t count) {
   constexpr int kBlock = 4096;
   alignas(64) uint32_t bits[kBlock], want[kBlock], wide[kBlock], narrow[kBlock];
@@ -2998,9 +2994,9 @@ int64_t gat_exp_lanes_mismatches(uint32_t first, int64_t count) {
     std::memcpy(want, bits, n * sizeof(float));
     exp_inplace(reinterpret_cast<float*>(want), n);
     for (int k = 0; k < n; k += 16) {
-      store16(reinterpret_cast<float*>(wide + k), exp_lanes(load16(reinterpret_cast<const float*>(bits + k))));
+      store16(reinterpret_cast<float*>(wide + k), exp_approx(load16(reinterpret_cast<const float*>(bits + k))));
       for (int h = 0; h < 16; h += 8)
-        store8(reinterpret_cast<float*>(narrow + k + h), exp_lanes(load8(reinterpret_cast<const float*>(bits + k + h))));
+        store8(reinterpret_cast<float*>(narrow + k + h), exp_approx(load8(reinterpret_cast<const float*>(bits + k + h))));
     }
     for (int k = 0; k < n; ++k) wrong += (wide[k] != want[k]) + (narrow[k] != want[k]);
   }
