@@ -849,7 +849,7 @@ T dot(const T* a, const T* b, index_t n) {
   return s;
 }
 
-// floor of one float, or lane by lane of 8 or 16 (SSE4.1's and AVX-512's rounding toward -inf, which is exact, as
+// floor of one float, or lane by lane of 8 or 16 (AVX's and AVX-512's rounding toward -inf, which is exact, as
 // std::floor is; lane by lane std::floor without them).
 template <typename X>
 __attribute__((always_inline)) inline X floor_lanes(X v) {
@@ -1142,10 +1142,11 @@ void first_layer_inference(const Problem& p, const LayerParams<T>& w, Workspace<
   });
 }
 
-// The attention of the paper's first layer (8 heads of 8 features), its dropout, its aggregation into c.pre and
-// the ELU of that into `output` [Tn, 64], with the 8 heads as the 8 lanes of a vector in every per-edge operation: scores, LeakyReLU, the softmax and the
-// weighted sum. Each lane computes what the general code computes for its head, operation by operation and in the
-// same order, so the results are the same to the bit; the per-edge work takes an eighth of the instructions.
+// The attention of the paper's first layer (8 heads of 8 features), its dropout, its aggregation into c.pre and the
+// ELU of that into `output` [Tn, 64], with the 8 heads as the 8 lanes of a vector in every per-edge operation:
+// scores, LeakyReLU, the softmax and the weighted sum. Each lane computes what the general code computes for its
+// head, operation by operation and in the same order, so the results are the same to the bit; the per-edge work
+// takes an eighth of the instructions.
 // z and α stay edge-major [E, 8] in ws.z8 and ws.alpha8 for the backward pass (first_layer_backward_softmax).
 template <typename T>
 void first_layer_attention(const Problem& p, const LayerParams<T>& w, bool training, bool dropout, const Dropout& drop,
