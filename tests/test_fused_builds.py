@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_fused import exp_lanes_mismatches
+from test_fused import sampled_exp_lanes_mismatches
 
 REPO = Path(__file__).resolve().parents[1]
 COMPILER = shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++")
@@ -112,4 +112,4 @@ def test_every_build_passes_its_self_check_and_trains_the_same_bits(name: str, t
         # exp in vector lanes at this build's widths (16 lanes as AVX-512, as two AVX2 vectors, or four SSE ones):
         # the test_fused sample of floats, each float's bytes as exp_inplace's.
         library = ctypes.CDLL(str(built[0]))
-        assert sum(exp_lanes_mismatches(library, first, 4096) for first in range(0, 1 << 32, 1 << 20)) == 0
+        assert sampled_exp_lanes_mismatches(library) == 0
