@@ -11,6 +11,10 @@ It prints, on one thread:
 - the first layer's `x·W` (64 outputs a stored feature, as Cora's 8 heads of 8), nanoseconds per stored feature, on
   2,708 rows of 9 to 27 stored features: with the rows of W gathered from 1,433 features (Cora's 358 KB W, which
   the L1 cache does not hold), from 8 (2 KB, always in L1), and under the step's input dropout;
+- the same under dropout through lists of what each pair of heads keeps (AVX-512 only): a stored feature whose two
+  heads of a pair are both dropped (36 % at the paper's rates) adds +0 to that pair's sums, so a list per pair that
+  skips it gives the same bytes; the time to build the lists (again each step, as the masks are new), the product
+  over them, and whether its bytes are the kernel's;
 - its floor: a stored feature's 64 multiplies and 64 adds at the alternating rate of the widest vectors.
 
 The kernel may not contract a multiply and an add into one FMA (`-ffp-contract=off`, torch's rounding), so
@@ -66,6 +70,21 @@ class SparseProduct:
     under_dropout: float  # gathered, with the step's input dropout
 
 
+@dataclass(frozen=True)
+class KeptPairs:
+    """The step's x·W through per-pair lists of what is kept: nanoseconds per stored feature; all 0 without
+    AVX-512."""
+
+    build: float  # the lists, from the step's masks
+    product: float  # the product over them
+    kept_share: float  # of (stored feature, pair of heads)
+    same_bytes: bool  # as the kernel's product
+
+    @property
+    def built(self) -> bool:
+        return self.product > 0
+
+
 def build(folder: Path) -> Any:
     """vector_ports.cpp built into `folder` with the kernel's flags, loaded and typed."""
     library = build_aside(SOURCE, folder / "vector_ports.so", ("-I", str(fused.SOURCE.parent)),
@@ -75,6 +94,9 @@ def build(folder: Path) -> Any:
     lib.vp_rates.restype = None
     lib.vp_sparse_product.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_uint64]
     lib.vp_sparse_product.restype = ctypes.c_double
+    lib.vp_kept_pairs_product.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64,
+                                          ctypes.POINTER(ctypes.c_double)]
+    lib.vp_kept_pairs_product.restype = None
     return lib
 
 
@@ -90,12 +112,18 @@ def sparse_product(lib: Any, rows: int, repeats: int) -> SparseProduct:
                          under_dropout=lib.vp_sparse_product(rows, CORA_FEATURES, 1, repeats, SEED))
 
 
+def kept_pairs(lib: Any, rows: int, repeats: int) -> KeptPairs:
+    measured = (ctypes.c_double * 4)()
+    lib.vp_kept_pairs_product(rows, CORA_FEATURES, repeats, SEED, measured)
+    return KeptPairs(build=measured[0], product=measured[1], kept_share=measured[2], same_bytes=measured[3] == 1)
+
+
 def floor_ns(measured: Rates) -> float:
     """A stored feature's OUTPUTS multiplies and OUTPUTS adds at the alternating rate: nanoseconds."""
     return 2 * OUTPUTS / measured.lane_operations()
 
 
-def report(measured: Rates, product: SparseProduct) -> list[str]:
+def report(measured: Rates, product: SparseProduct, kept: KeptPairs) -> list[str]:
     def row(lanes: int, adds: float, multiplies: float, alternating: float) -> str:
         return (f"  {lanes} lanes: adds {adds:.2f}, multiplies {multiplies:.2f}, alternating {alternating:.2f} "
                 f"({alternating * lanes:.0f} float operations)")
@@ -115,7 +143,15 @@ def report(measured: Rates, product: SparseProduct) -> list[str]:
               f"  rows of W from {L1_FEATURES} features (in L1): {product.in_l1:.2f} "
               f"({product.in_l1 / floor:.2f}× the floor)",
               f"  from {CORA_FEATURES:,} features, under the step's input dropout: {product.under_dropout:.2f} "
-              f"({product.under_dropout / floor:.2f}× the floor)",
+              f"({product.under_dropout / floor:.2f}× the floor)"]
+    if kept.built:
+        lines += [f"  the same through per-pair lists of what is kept ({kept.kept_share:.0%} of the pairs of heads): "
+                  f"the lists {kept.build:.2f} + the product {kept.product:.2f} = {kept.build + kept.product:.2f} "
+                  f"({(kept.build + kept.product) / product.under_dropout:.2f}× the kernel's), "
+                  f"{'the same bytes' if kept.same_bytes else 'other bytes than the kernel'}"]
+    else:
+        lines += ["  the same through per-pair lists of what is kept: not built (no AVX-512 in these flags)"]
+    lines += [
               f"  the floor, {OUTPUTS} multiplies and {OUTPUTS} adds at {measured.lane_operations():.0f} "
               f"float operations per ns: {floor:.2f}"]
     return lines
@@ -131,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="gat-vector-ports-") as folder:
             lib = build(Path(folder))
-            lines = report(rates(lib, 20_000_000, args.repeats), sparse_product(lib, CORA_ROWS, 40 * args.repeats))
+            lines = report(rates(lib, 20_000_000, args.repeats), sparse_product(lib, CORA_ROWS, 40 * args.repeats),
+                           kept_pairs(lib, CORA_ROWS, 40 * args.repeats))
     except StageError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -1063,23 +1063,32 @@ def test_the_vector_ports_floor_is_a_stored_features_arithmetic_at_the_widest_al
     avx512 = vector_ports.Rates(7.5, 7.5, 11.0, 7.0, 7.0, 7.0, 2.0)  # 88 and 112 float operations per ns
     assert vector_ports.floor_ns(avx512) == pytest.approx(128 / 112)
     product = vector_ports.SparseProduct(gathered=2.4, in_l1=1.8, under_dropout=3.2)
-    lines = vector_ports.report(avx512, product)
+    kept = vector_ports.KeptPairs(build=2.0, product=2.8, kept_share=0.64, same_bytes=True)
+    lines = vector_ports.report(avx512, product, kept)
     assert lines[1] == "  8 lanes: adds 7.50, multiplies 7.50, alternating 11.00 (88 float operations)"
     assert lines[2] == "  16 lanes: adds 7.00, multiplies 7.00, alternating 7.00 (112 float operations)"
     assert lines[3] == "  one chain of dependent 8-lane adds: 2.00 per ns (latency 0.500 ns)"
     assert lines[5] == "  rows of W from 1,433 features (358 KB): 2.40 (2.10× the floor)"
+    assert lines[-2] == ("  the same through per-pair lists of what is kept (64% of the pairs of heads): "
+                         "the lists 2.00 + the product 2.80 = 4.80 (1.50× the kernel's), the same bytes")
     assert lines[-1] == "  the floor, 64 multiplies and 64 adds at 112 float operations per ns: 1.14"
+    other_bytes = dataclasses.replace(kept, same_bytes=False)
+    assert vector_ports.report(avx512, product, other_bytes)[-2].endswith(", other bytes than the kernel")
 
     avx2 = dataclasses.replace(avx512, wide_adds=0, wide_multiplies=0, wide_alternating=0)
     assert vector_ports.floor_ns(avx2) == pytest.approx(128 / 88)
-    assert vector_ports.report(avx2, product)[2] == "  16 lanes: not built (no AVX-512 in these flags)"
+    not_built = vector_ports.KeptPairs(build=0, product=0, kept_share=0, same_bytes=False)
+    lines = vector_ports.report(avx2, product, not_built)
+    assert lines[2] == "  16 lanes: not built (no AVX-512 in these flags)"
+    assert lines[-2] == "  the same through per-pair lists of what is kept: not built (no AVX-512 in these flags)"
 
 
 @pytest.mark.slow
 def test_the_vector_ports_measure_this_cpu_with_the_kernels_own_product(tmp_path: Path, monkeypatch) -> None:
     """Built with the kernel's default flags and gat/csrc/fused.cpp: every rate and time is a positive figure, the
-    16-lane rates exist exactly where -march=native gives AVX-512, and one chain of dependent adds is slower than
-    12 independent ones."""
+    16-lane rates exist exactly where -march=native gives AVX-512, one chain of dependent adds is slower than 12
+    independent ones, and the product through per-pair lists of what is kept (built exactly where AVX-512 is) gives
+    the kernel's bytes."""
     from benchmarks import vector_ports
 
     monkeypatch.delenv("GAT_FUSED_CXXFLAGS", raising=False)
@@ -1092,3 +1101,8 @@ def test_the_vector_ports_measure_this_cpu_with_the_kernels_own_product(tmp_path
     assert rates.dependent_adds < rates.adds  # 12 chains overlap where one cannot
     product = vector_ports.sparse_product(lib, 200, 2)
     assert all(0 < ns < 1e4 for ns in (product.gathered, product.in_l1, product.under_dropout)), product
+    kept = vector_ports.kept_pairs(lib, 2000, 2)
+    assert kept.built == ("avx512f" in cpu[1])
+    if kept.built:  # skipping what adds +0 keeps every byte; 1 - 0.6² of the pairs are kept at the paper's rates
+        assert kept.same_bytes and 0 < kept.build < 1e4 and 0 < kept.product < 1e4, kept
+        assert kept.kept_share == pytest.approx(0.64, abs=0.02)
