@@ -151,9 +151,8 @@ def report(measured: Rates, product: SparseProduct, kept: KeptPairs) -> list[str
                   f"{'the same bytes' if kept.same_bytes else 'other bytes than the kernel'}"]
     else:
         lines += ["  the same through per-pair lists of what is kept: not built (no AVX-512 in these flags)"]
-    lines += [
-              f"  the floor, {OUTPUTS} multiplies and {OUTPUTS} adds at {measured.lane_operations():.0f} "
-              f"float operations per ns: {floor:.2f}"]
+    lines.append(f"  the floor, {OUTPUTS} multiplies and {OUTPUTS} adds at {measured.lane_operations():.0f} "
+                 f"float operations per ns: {floor:.2f}")
     return lines
 
 

@@ -73,12 +73,13 @@ struct SparseCase {
   std::vector<index_t> crow{0}, col;
   std::vector<float> x;
   Buffer<float> W;
+  bool dropout;
   LayerCache<float> c;
 
-  SparseCase(int64_t rows, int64_t features, bool dropout, uint64_t seed);
+  SparseCase(int64_t rows, int64_t features, bool with_dropout, uint64_t seed);
   index_t rows() const { return static_cast<index_t>(crow.size()) - 1; }
   // The kernel's x·W into g [rows, 64].
-  void product(bool dropout, float* g) const {
+  void product(float* g) const {
     for (index_t j = 0; j < rows(); ++j)
       sparse_row_product(crow[j], crow[j + 1], x.data(), c, dropout,
                          [&](index_t e) { return std::pair<index_t, const float*>(e, W.data() + col[e] * 64); },
@@ -86,7 +87,7 @@ struct SparseCase {
   }
 };
 
-SparseCase::SparseCase(int64_t rows, int64_t features, bool dropout, uint64_t seed) {
+SparseCase::SparseCase(int64_t rows, int64_t features, bool with_dropout, uint64_t seed) : dropout(with_dropout) {
   std::mt19937_64 random(seed);
   for (int64_t j = 0; j < rows; ++j) {
     const int64_t n = 9 + static_cast<int64_t>(random() % 19);
@@ -190,7 +191,6 @@ void vp_rates(int64_t iterations, int repeats, double* rates) {
   rates[6] = dependent_adds(iterations, repeats);
 }
 
-
 // Nanoseconds per stored feature of the kernel's sparse_row_product over SparseCase(rows, features, dropout): each
 // stored feature gathers its row of W, as the first layer's x·W does; with `dropout` as in a training step, else as
 // in a validation pass.
@@ -198,7 +198,7 @@ double vp_sparse_product(int64_t rows, int64_t features, int dropout, int repeat
   const SparseCase s(rows, features, dropout != 0, seed);
   Buffer<float> g(static_cast<size_t>(rows) * 64);
   const double ns = best_ns(repeats, [&] {
-    s.product(dropout != 0, g.data());
+    s.product(g.data());
     asm volatile("" : : "r"(g.data()) : "memory");
   });
   return ns / static_cast<double>(s.col.size());
@@ -225,7 +225,7 @@ void vp_kept_pairs_product(int64_t rows, int64_t features, int repeats, uint64_t
   index_t pairs = 0;
   for (int m = 0; m < 4; ++m) pairs += kept.crow[m][s.rows()];
   out[2] = static_cast<double>(pairs) / (4 * entries);
-  s.product(true, expected.data());
+  s.product(expected.data());
   out[3] = std::memcmp(g.data(), expected.data(), g.size() * sizeof(float)) == 0 ? 1.0 : 0.0;
 #else
   (void)rows, (void)features, (void)repeats, (void)seed;
