@@ -22,9 +22,9 @@ cluster) and its compute C (worker-seconds). On paper, an ablation of `--configs
 
     wall(W) = ceil(E / J) x (F + ceil(B / (W / J)) x C / B),     B = batches per stage
 
-The estimate assumes a Citeseer seed costs what a Cora seed does (the README's 100-seed runs: 5 % more)
-and that workers on other hosts are as fast as these; F includes starting a LocalCluster, which a shared
-cluster doesn't pay, so it errs on the long side.
+The estimate assumes a Citeseer seed costs what a Cora seed does (the 100-seed runs in
+reports/fused-kernel-log.md: 5 % more) and that workers on other hosts are as fast as these; F includes
+starting a LocalCluster, which a shared cluster doesn't pay, so it errs on the long side.
 """
 
 from __future__ import annotations
