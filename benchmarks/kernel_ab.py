@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         current = fused.library()
         with tempfile.TemporaryDirectory(prefix="gat-kernel-ab-") as folder:
-            older = fused.load(build_revision(args.against, Path(folder), extra_flags))
+            older = fused.load(build_revision(args.against, Path(folder), extra_flags), earlier=True)
             timing = time_native_loops if args.native else time_kernels
             samples = timing(load_graph(default_data_dir()), {"this checkout": current, older_name: older},
                              args.seeds, args.rounds, args.block)

@@ -47,7 +47,7 @@ def build_timed(folder: Path, revision: str | None = None) -> Any:
         built = build_aside(fused.SOURCE, folder / "fused_timed.so", (TIMERS_FLAG,), "this checkout's fused.cpp")
     else:
         built = build_revision(revision, folder, (TIMERS_FLAG,))
-    lib = fused.load(built)
+    lib = fused.load(built, earlier=revision is not None)
     if not hasattr(lib, "gat_phase_count"):
         raise StageError(f"{revision}'s fused.cpp has no phase timers: compare with a later commit")
     lib.gat_phase_name.restype = ctypes.c_char_p

@@ -127,7 +127,8 @@ class _Problem(ctypes.Structure):
                 ("x_crow", ctypes.c_void_p), ("x_col", ctypes.c_void_p), ("x_val", ctypes.c_void_p),
                 ("x_ccol", ctypes.c_void_p), ("x_row", ctypes.c_void_p), ("x_pos", ctypes.c_void_p),
                 ("block", _Block * 2), ("heads", ctypes.c_int64 * 2), ("hidden", ctypes.c_int64 * 2),
-                ("labels", ctypes.c_void_p), ("negative_slope", ctypes.c_double)]
+                ("labels", ctypes.c_void_p), ("negative_slope", ctypes.c_double),
+                ("x_cval", ctypes.c_void_p)]
 
 
 class _Dropout(ctypes.Structure):
@@ -218,8 +219,12 @@ def verified(path: Path) -> Path:
     return path
 
 
-def load(path: Path) -> Any:
-    """The library at `path`, its functions typed. Raises FusedUnavailable."""
+def load(path: Path, earlier: bool = False) -> Any:
+    """The library at `path`, its functions typed. Raises FusedUnavailable.
+
+    `earlier`: a build of an earlier commit's fused.cpp, timed beside this one's (benchmarks.kernel_ab,
+    benchmarks.kernel_phases), whose Problem may end before `x_cval`, a field it does not read.
+    """
     try:
         lib = ctypes.CDLL(str(path))
         lib.gat_abi_sizes.restype = ctypes.c_int64
@@ -229,7 +234,10 @@ def load(path: Path) -> Any:
     except (OSError, AttributeError) as error:
         raise FusedUnavailable(f"cannot load the built library {path.name}: {error}") from None
     for which, structure in ((0, _Problem), (1, _Dropout), (2, _Adam), (3, _LaneRunSpec)):
-        if lib.gat_abi_sizes(which) != ctypes.sizeof(structure):
+        size = lib.gat_abi_sizes(which)
+        if earlier and structure is _Problem and size == _Problem.x_cval.offset:
+            continue  # the layout before x_cval was appended
+        if size != ctypes.sizeof(structure):
             raise FusedUnavailable(f"{structure.__name__} of gat/fused.py does not match fused.cpp's layout")
     pointer = ctypes.c_void_p
     lib.gat_train_step_f32.argtypes = [pointer, ctypes.c_int64, *[pointer] * 9, ctypes.c_int]
@@ -321,14 +329,15 @@ class Plan:
             raise ValueError("the blocks do not chain: layer 1's sources must be x's rows, layer 2's its targets")
         if labels.numel() != blocks[1].num_targets:
             raise ValueError(f"{labels.numel()} labels for {blocks[1].num_targets} output nodes")
-        # x by column as well (CSC: a stable sort keeps the rows ascending within each column), for ∂L/∂W.
+        # x by column as well (CSC: a stable sort keeps the rows ascending within each column), for ∂L/∂W: each entry's
+        # row, CSR position and value.
         rows = torch.repeat_interleave(torch.arange(x.num_nodes, device=x.crow.device), x.crow.diff())  # [nnz]
         by_column = torch.sort(x.col, stable=True).indices  # [nnz]: CSR positions in column order
         ccol = torch.cat([x.col.new_zeros(1), torch.bincount(x.col, minlength=x.num_features).cumsum(0)])
         problem = _Problem(x.num_nodes, x.num_features, x.nnz, held(x.crow), held(x.col), held(x.values, dtype),
                            held(ccol), held(rows[by_column]), held(by_column),
                            (_Block * 2)(*c_blocks), (ctypes.c_int64 * 2)(*heads), (ctypes.c_int64 * 2)(*hidden),
-                           held(labels), negative_slope)
+                           held(labels), negative_slope, held(x.values[by_column], dtype))
         return cls(problem, tuple(keep), blocks[1].num_targets, hidden[1])
 
 

@@ -781,9 +781,24 @@ def test_an_earlier_commits_kernel_builds_and_computes_the_same_bytes(tmp_path: 
     from benchmarks import kernel_ab
     from gat import fused_check
 
-    older = fused.load(kernel_ab.build_revision("HEAD", tmp_path))
+    older = fused.load(kernel_ab.build_revision("HEAD", tmp_path), earlier=True)  # as kernel_ab loads it
     monkeypatch.setattr(fused, "LANE_WIDTHS", (4, 8, 16))
     assert fused_check.fingerprint(older) == fused_check.fingerprint(fused.library())
+
+
+@pytest.mark.slow
+def test_a_kernel_from_before_x_cval_is_loaded_only_as_an_earlier_one(tmp_path: Path, monkeypatch) -> None:
+    """A fused.cpp whose Problem ends before x_cval (the last commit without it): `load` refuses it as this
+    checkout's library, and takes it as an earlier one beside this (kernel_ab, kernel_phases), where it computes the
+    same bytes, reading the fields it knows."""
+    from benchmarks import kernel_ab
+    from gat import fused_check
+
+    built = kernel_ab.build_revision("cf4fec4", tmp_path)
+    with pytest.raises(fused.FusedUnavailable, match=r"^_Problem of gat/fused.py does not match fused.cpp's layout$"):
+        fused.load(built)
+    monkeypatch.setattr(fused, "LANE_WIDTHS", (4, 8, 16))
+    assert fused_check.fingerprint(fused.load(built, earlier=True)) == fused_check.fingerprint(fused.library())
 
 
 # benchmarks.train_ab: this checkout's whole training loop against an earlier commit's ----------------------------

@@ -81,8 +81,8 @@ struct SparseCase {
   // The kernel's x·W into g [rows, 64].
   void product(float* g) const {
     for (index_t j = 0; j < rows(); ++j)
-      sparse_row_product(crow[j], crow[j + 1], x.data(), c, dropout,
-                         [&](index_t e) { return std::pair<index_t, const float*>(e, W.data() + col[e] * 64); },
+      sparse_row_product(crow[j], crow[j + 1], c, dropout,
+                         [&](index_t e) { return SparseEntry<float>{x[e], e, W.data() + col[e] * 64}; },
                          g + j * 64);
   }
 };

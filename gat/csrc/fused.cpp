@@ -58,7 +58,7 @@ struct Problem {
   const index_t* x_col;
   const void* x_val;
   // The same entries by column (CSC, rows ascending within a column): x_ccol [f_in + 1]; for each, its row
-  // x_row [nnz] and its position in the CSR arrays x_pos [nnz]. ∂L/∂W gathers along them.
+  // x_row [nnz], its position in the CSR arrays x_pos [nnz] and (x_cval, last) its value. ∂L/∂W gathers along them.
   const index_t* x_ccol;
   const index_t* x_row;
   const index_t* x_pos;
@@ -66,6 +66,9 @@ struct Problem {
   index_t heads[2], hidden[2];  // H and F' of both layers (layer 2: F' = C classes, heads averaged)
   const index_t* labels;         // [block[1].targets]: the loss and accuracy are over all of them
   double negative_slope;
+  // x_val[x_pos[t]] for each entry t by column, in x_val's type: ∂L/∂W reads the values in its own order instead of
+  // one at random per entry. Last, so that a kernel from before it (benchmarks.kernel_ab --against) reads the rest.
+  const void* x_cval;
 };
 
 struct Dropout {  // null `next`: no dropout
@@ -992,46 +995,57 @@ void elu_inplace(double* x, index_t n) {
   for (index_t i = 0; i < n; ++i) x[i] = x[i] > 0.0 ? x[i] : std::expm1(x[i]);
 }
 
+// One stored feature of x as sparse_row_product reads it: its value x_e, its index e in the CSR arrays (for its
+// byte of kept heads) and the row of 64 it multiplies.
+template <typename T>
+struct SparseEntry {
+  T value;
+  index_t e;
+  const T* row;
+};
+
 // A sparse row times rows of 64 (8 heads of 8 features): out[8 k + f] = Σ_t x_e · m_k(e) · row_t[8 k + f]
-// over the entries t in [begin, end), in order, where entry(t) gives the entry's index e in x and its row of 64;
-// m_k(e) is head k's dropout multiplier of the entry (its byte in c.heads_kept), left out without dropout. The first
-// layer's x·W (a node's g from the rows of W) and ∂L/∂W (a feature's from the rows of ∂L/∂g). Lane by lane the
-// products and sums of scalar code, 16 lanes at a time where the CPU has them, else 8.
+// over the entries t in [begin, end), in order, where entry(t) gives the entry's SparseEntry; m_k(e) is head k's
+// dropout multiplier of the entry (its byte in c.heads_kept), left out without dropout. The first layer's x·W (a
+// node's g from the rows of W) and ∂L/∂W (a feature's from the rows of ∂L/∂g). Lane by lane the products and sums
+// of scalar code, 16 lanes at a time where the CPU has them, else 8.
 template <typename T, typename Entry>
-inline void sparse_row_product(index_t begin, index_t end, const T* x, const LayerCache<T>& c, bool dropout,
-                               Entry entry, T* out) {
+inline void sparse_row_product(index_t begin, index_t end, const LayerCache<T>& c, bool dropout, Entry entry,
+                               T* out) {
   using V = Vec8<T>;
-  auto masked = [&](index_t e) { return x[e] * load8(c.multipliers.data() + c.heads_kept[e] * 8); };  // x_e · m_k
+  auto masked = [&](const SparseEntry<T>& x) {  // x_e · m_k
+    return x.value * load8(c.multipliers.data() + c.heads_kept[x.e] * 8);
+  };
   if constexpr (kWideVectors && std::is_same_v<T, float>) {
     Vec16f acc[4] = {};  // heads 2m and 2m + 1
     for (index_t t = begin; t < end; ++t) {
-      const auto [e, row] = entry(t);
+      const SparseEntry<T> x = entry(t);
       if (dropout) {
 #if defined(__AVX512F__)  // kWideVectors: this branch is compiled only with AVX-512
         // A kept head's lanes get (x_e · scale) · w, as the 8-lane loop's product; a dropped head's get +0 where
         // that product is x_e · 0 · w = ±0, and adding either to a sum that started at +0 leaves the sum as it was
         // (for finite w; the fingerprint and the build matrix check it). No permute per pair of heads, which would
         // share the two ports of the 16-lane multiplies and adds on an Intel core (python -m benchmarks.vector_ports).
-        const __m512 kept_value = _mm512_set1_ps(x[e] * c.multipliers[255 * 8]);  // byte 255: every head keeps it
-        const uint16_t* keeps = kPairMasks.of[c.heads_kept[e]];
+        const __m512 kept_value = _mm512_set1_ps(x.value * c.multipliers[255 * 8]);  // byte 255: every head keeps it
+        const uint16_t* keeps = kPairMasks.of[c.heads_kept[x.e]];
         for (int m = 0; m < 4; ++m)
           acc[m] += reinterpret_cast<Vec16f>(
-              _mm512_maskz_mul_ps(keeps[m], kept_value, reinterpret_cast<__m512>(load16(row + m * 16))));
+              _mm512_maskz_mul_ps(keeps[m], kept_value, reinterpret_cast<__m512>(load16(x.row + m * 16))));
 #endif
       } else {
-        for (int m = 0; m < 4; ++m) acc[m] += x[e] * load16(row + m * 16);
+        for (int m = 0; m < 4; ++m) acc[m] += x.value * load16(x.row + m * 16);
       }
     }
     for (int m = 0; m < 4; ++m) store16(out + m * 16, acc[m]);
   } else {
     V acc[8] = {};  // head k
     for (index_t t = begin; t < end; ++t) {
-      const auto [e, row] = entry(t);
+      const SparseEntry<T> x = entry(t);
       if (dropout) {
-        const V v = masked(e);
-        for (int k = 0; k < 8; ++k) acc[k] += lane_everywhere<T>(v, k) * load8(row + k * 8);
+        const V v = masked(x);
+        for (int k = 0; k < 8; ++k) acc[k] += lane_everywhere<T>(v, k) * load8(x.row + k * 8);
       } else {
-        for (int k = 0; k < 8; ++k) acc[k] += x[e] * load8(row + k * 8);
+        for (int k = 0; k < 8; ++k) acc[k] += x.value * load8(x.row + k * 8);
       }
     }
     for (int k = 0; k < 8; ++k) store8(out + k * 8, acc[k]);
@@ -1300,8 +1314,8 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
     }
     GAT_NEXT_PHASE(timer, training ? kStepXW : kValXW);
     for (index_t j = 0; j < S; ++j)
-      sparse_row_product(p.x_crow[j], p.x_crow[j + 1], x, c, dropout,
-                         [&](index_t e) { return std::pair<index_t, const T*>(e, weights + p.x_col[e] * 64); },
+      sparse_row_product(p.x_crow[j], p.x_crow[j + 1], c, dropout,
+                         [&](index_t e) { return SparseEntry<T>{x[e], e, weights + p.x_col[e] * 64}; },
                          c.g.data() + j * 64);
   } else if (l == 0) {
     const T* x = static_cast<const T*>(p.x_val);
@@ -1881,13 +1895,13 @@ template <typename T>
 void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W) {
   const index_t fin = p.f_in;
   const bool dropout = !c.alpha_kept.empty();
-  const T* x = static_cast<const T*>(p.x_val);
+  const T* x_by_column = static_cast<const T*>(p.x_cval);
   const T* dg = ws.grad_g.data();  // by source, [S, H·8]: a source's 64 values in one place
   alignas(64) T by_head[64];
   for (index_t q = 0; q < fin; ++q) {
     // Column q of x: its entries t, each with the gradient of its node's g.
-    sparse_row_product(p.x_ccol[q], p.x_ccol[q + 1], x, c, dropout,
-                       [&](index_t t) { return std::pair<index_t, const T*>(p.x_pos[t], dg + p.x_row[t] * 64); },
+    sparse_row_product(p.x_ccol[q], p.x_ccol[q + 1], c, dropout,
+                       [&](index_t t) { return SparseEntry<T>{x_by_column[t], p.x_pos[t], dg + p.x_row[t] * 64}; },
                        by_head);
     for (int k = 0; k < 8; ++k) std::copy(by_head + k * 8, by_head + k * 8 + 8, grad_W + (k * fin + q) * 8);
   }
@@ -2293,7 +2307,7 @@ struct LaneGroup {
   template <int FW>
   void first_weight_grad(const Problem& p, const uint8_t* mask, V scale, const V* dg, index_t k, index_t f0) {
     const index_t S = p.block[0].sources, nnz = p.nnz, fin = p.f_in, F = p.hidden[0];
-    const float* x = static_cast<const float*>(p.x_val);
+    const float* x_by_column = static_cast<const float*>(p.x_cval);
     V* dW = G(0, 0) + k * fin * F + f0;
     const V* dgk = dg + k * S * F + f0;
     for (index_t q = 0; q < fin; ++q) {
@@ -2301,7 +2315,8 @@ struct LaneGroup {
       for (index_t t = p.x_ccol[q]; t < p.x_ccol[q + 1]; ++t) {
         const index_t e = p.x_pos[t];
         const V* dgj = dgk + p.x_row[t] * F;
-        const V v = mask ? x[e] * Lanes<L>::kept(mask + (k * nnz + e) * L, scale) : Lanes<L>::splat(x[e]);
+        const float xe = x_by_column[t];
+        const V v = mask ? xe * Lanes<L>::kept(mask + (k * nnz + e) * L, scale) : Lanes<L>::splat(xe);
         for (int f = 0; f < FW; ++f) acc[f] += v * dgj[f];
       }
       for (int f = 0; f < FW; ++f) dW[q * F + f] = acc[f];
