@@ -66,7 +66,8 @@ def _from_mapping(cls: type, raw: Any, prefix: str) -> Any:
     values = {}
     for name in names:
         key = f"{prefix}.{name}" if prefix else name
-        _check(name in raw, key, "is missing; add it (see the README's Parameters section)")
+        _check(name in raw, key, "is missing; add it (see params.yaml's comments and the README's "
+               "\"Changing parameters and rerunning\")")
         values[name] = _coerce(raw[name], hints[name], key)
     instance = cls(**values)
     instance.validate(prefix)
@@ -365,7 +366,8 @@ class Params:
     def from_dict(cls, raw: Any) -> "Params":
         if not isinstance(raw, Mapping):
             raise ParamsError(f"params.yaml must be a mapping of sections (datasets, download, ...) at the top "
-                              f"level, got a {type(raw).__name__}: see the README's Parameters section")
+                              f"level, got a {type(raw).__name__}: see the README's "
+                              "\"Changing parameters and rerunning\"")
         # Top-level `x-` keys only hold YAML anchors that the sections merge (the paper's protocol).
         return _from_mapping(cls, {key: value for key, value in raw.items() if not str(key).startswith("x-")}, "")
 

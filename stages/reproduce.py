@@ -47,7 +47,7 @@ def run() -> None:
     settings = params.reproduce
     if args.dataset not in settings.protocol:
         fail(f"`reproduce.protocol.{args.dataset}` is missing from params.yaml: add the dataset's "
-             "{model, optim} block (see the README's Parameters section).")
+             "{model, optim} block (see the README's \"Changing parameters and rerunning\").")
     setup = settings.protocol[args.dataset]
     device = device_for(settings.device, "reproduce.device")
     graph, meta = load_prepared(args.data, args.dataset)
