@@ -52,9 +52,10 @@ SEMANTIC_FLAGS = ("-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", 
 # machine that runs it, and the build key holds that machine's CPU, so a shared folder serves no other CPU's build.
 # -mprefer-vector-width=512: the loops GCC vectorises itself (the dropout masks, exp, ELU, Adam) in AVX-512's 16
 # lanes where the CPU has them. GCC 12 tunes Intel's AVX-512 CPUs for 256 bits (the Intel Xeon here: a native epoch
-# 1 to 3.5 % faster with the flag, by the README's runs); for znver3 with AVX-512 (what GCC 12.2, which has no
-# znver4, makes of an AMD CPU that has it) and for x86-64-v4 it prefers 512 already, and the machine code is the
-# same with or without the flag. Without AVX-512 it does nothing. Vector width changes no rounding.
+# 1 to 3.5 % faster with the flag, by the runs in reports/fused-kernel-log.md); for znver3 with AVX-512 (what GCC
+# 12.2, which has no znver4, makes of an AMD CPU that has it) and for x86-64-v4 it prefers 512 already, and the
+# machine code is the same with or without the flag. Without AVX-512 it does nothing. Vector width changes no
+# rounding.
 DEFAULT_OPTIMISATION = ("-O3", "-march=native", "-mprefer-vector-width=512")
 
 

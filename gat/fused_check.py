@@ -1,6 +1,6 @@
 """The fused kernel's self-check: a build is used only once it computes what the torch path computes.
 
-A compiler can miscompile correct code (GCC 12.2 did, at -O3 with AVX2: the README's "The fused kernel"), and
+A compiler can miscompile correct code (GCC 12.2 did, at -O3 with AVX2: the README's "The fused training kernel"), and
 optimisation levels, vector widths and CPUs differ between the machine that wrote the kernel and the one that
 builds it. So the build (tools.build_fused) runs `disagreement(lib)` on every new build, on the machine that
 built it, before the build is kept: small random graphs through both kernels, under dropout and without, compared

@@ -1760,7 +1760,7 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
       // for every element, never `x > 0 ? d : d * slope[n]`. That conditional load is what GCC 12.2 at -O3 with
       // AVX2 and -fno-trapping-math if-converts into vmaskmovpd/ps loads within an SLP group and gets wrong
       // (wrong ∂L/∂W of the first layer in float64 at -march=x86-64-v3; the reproducer is in the README's
-      // "The fused kernel" section). Without the branch there is no masked load to get wrong.
+      // "The fused training kernel" section). Without the branch there is no masked load to get wrong.
       for (index_t i = 0; i < Tn; ++i)
         for (index_t f = 0; f < F; ++f) dout[i * F + f] = grad_output[i * H * F + k * F + f] * slope_of[i * F + f];
     } else {
@@ -2850,7 +2850,8 @@ struct LaneRun : LaneRunBase {
 // it stops. Parameters and Adam moments keep torch's layout [R, ...], so a replica computes here exactly what
 // gat.fused.FusedTrainer computes for it between Python's calls. Each pass transposes the first W into its
 // workspace. Keeping each replica's W by input feature instead (no transpose; until 2026-12-06, with W's Adam update
-// row by row inside ∂L/∂W) made the AMD EPYC's epoch 1.07 times as long with 4 seeds and 1.19 times with 16 (README):
+// row by row inside ∂L/∂W) made the AMD EPYC's epoch 1.07 times as long with 4 seeds and 1.19 times with 16
+// (reports/fused-kernel-log.md, "`W` transposed in every pass again"):
 // most likely x·W's gathers then read each replica's own W from beyond L2, not one hot copy in the workspace.
 struct SeedRun : LaneRunBase {
   LaneRunSpec spec;
