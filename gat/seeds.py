@@ -40,19 +40,24 @@ class BatchResult:
 
 
 def batches(seeds: Sequence[int], size: int, workers: int = 1) -> list[list[int]]:
-    """`seeds` in order, in batches of `size`, but the last round of batches split evenly over the `workers`.
+    """`seeds` in order, in batches of `size`, but the last round's batches ever smaller when there are `workers`.
 
-    Each worker takes the next batch as it finishes one, so the last round decides when the stage ends: 100 seeds in
-    batches of 4 are 25 batches, and on 2 workers one would train the 25th alone while the other waited. Instead,
-    the seeds after the last full round (one batch of `size` per worker) go into `workers` batches as equal as can
-    be: 24 batches of 4, then 2 of 2, 50 seeds a worker. A seed's results never depend on its batch.
+    Each worker takes the next batch as it finishes one, so the last batches decide when the stage ends: the workers
+    finish their last full batches at different times, and one that waits for the other idles a core. So the seeds
+    after the last full round (one batch of `size` per worker) go into batches that each hold 1 / (2 · `workers`) of
+    the seeds left, rounded up, down to single seeds: the workers end within about one seed's training of each other.
+    100 seeds in batches of 4 on 2 workers: 24 batches of 4, then 4 of 1. One worker has nobody to wait for, and
+    keeps plain batches. A seed's results never depend on its batch.
     """
     round_ = size * workers
-    whole = len(seeds) // round_ * round_
-    head = [list(seeds[start:start + size]) for start in range(0, whole, size)]
-    tail = list(seeds[whole:])
-    parts = min(workers, len(tail))
-    return head + [tail[len(tail) * part // parts:len(tail) * (part + 1) // parts] for part in range(parts)]
+    whole = len(seeds) // round_ * round_ if workers > 1 else len(seeds)
+    planned = [list(seeds[start:start + size]) for start in range(0, whole, size)]
+    start = whole
+    while start < len(seeds):
+        count = -(-(len(seeds) - start) // (2 * workers))  # ceil
+        planned.append(list(seeds[start:start + count]))
+        start += count
+    return planned
 
 
 def weights_sha256(model: GAT, replica: int) -> str:

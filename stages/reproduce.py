@@ -76,7 +76,7 @@ def run() -> None:
                 run_tags["dask_scheduler"] = pool.address
             mlflow.set_tags(run_tags)
             # Plain tensors travel to the workers; torch's pickling of sparse ones warns on every batch.
-            # The last round split over the workers, so that they end together (gat.seeds.batches).
+            # The last round in ever smaller batches, so that the workers end together (gat.seeds.batches).
             jobs = [(setup, batch) for batch in batches(seeds, settings.seeds_per_batch, pool.size)]
             results = gather(pool, graph_to_tensors(graph), jobs, device, progress)
         check_same_code(results)
