@@ -67,17 +67,14 @@ def timeline(parent_start: float, parent_end: float, seeds: Sequence[SeedSpan]) 
     batches: dict[tuple[str, float], list[SeedSpan]] = defaultdict(list)
     for seed in seeds:
         batches[seed.worker, seed.start].append(seed)
-    by_worker: dict[str, list[list[SeedSpan]]] = defaultdict(list)
-    for (worker, _), batch in sorted(batches.items(), key=lambda item: (item[0][0], item[0][1])):
-        by_worker[worker].append(batch)
     last_end = max(seed.end for seed in seeds)
     workers = []
-    for worker, its_batches in sorted(by_worker.items()):
-        spans = [seed for batch in its_batches for seed in batch]
+    for worker in sorted({seed.worker for seed in seeds}):
+        spans = [seed for seed in seeds if seed.worker == worker]
         end = max(seed.end for seed in spans)
-        workers.append(WorkerSpan(worker, len(its_batches), len(spans), sum(seed.epochs for seed in spans),
-                                  min(seed.start for seed in spans) - parent_start, end - parent_start,
-                                  last_end - end))
+        workers.append(WorkerSpan(worker, sum(1 for w, _ in batches if w == worker), len(spans),
+                                  sum(seed.epochs for seed in spans), min(seed.start for seed in spans) - parent_start,
+                                  end - parent_start, last_end - end))
     batch_seconds = sum(max(seed.end for seed in batch) - start for (_, start), batch in batches.items())
     seed_epochs = sum(seed.epochs for seed in seeds)
     return Timeline(parent_end - parent_start, min(seed.start for seed in seeds) - parent_start,
