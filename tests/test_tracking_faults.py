@@ -259,6 +259,28 @@ def test_parallel_stages_never_end_each_others_runs(sqlite_stages: Stages) -> No
     assert client.get_run(parent.info.run_id).info.status == "RUNNING"
 
 
+def test_a_child_run_whose_logging_fails_ends_failed_not_running(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """reproduce logs each batch's children while its workers train, so a failure or a stop can come in the middle of
+    one: that child ends FAILED (as the parent will), the ones before it stay FINISHED."""
+    from stages.support.store import REPRODUCE_EXPERIMENT, connect
+    from stages.support.tracking import log_child_runs
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment_id = connect(REPRODUCE_EXPERIMENT)
+    client = MlflowClient()
+    parent = client.create_run(experiment_id)
+    now = time.time()
+    rows = [{"seed": 0, "test_acc": 0.8}, {"seed": 1, "test_acc": None}]  # seed 1's metric is no number
+    with pytest.raises(TypeError):
+        log_child_runs(parent.info.run_id, experiment_id, "cora", rows, {0: (now - 2, now - 1), 1: (now - 1, now)},
+                       {"dataset": "cora"})
+    children = client.search_runs([experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert {run.info.run_name: run.info.status for run in children} == {"cora-seed-0": "FINISHED",
+                                                                       "cora-seed-1": "FAILED"}
+    assert client.get_run(parent.info.run_id).info.status == "RUNNING"  # the parent is its stage's to end
+
+
 def test_a_killed_stages_run_is_ended_killed_on_the_server(server_stages: Stages, team_backend: TeamBackend) -> None:
     client = MlflowClient(team_backend.settings.tracking_uri)
     process, run_id = server_stages.start("killed")

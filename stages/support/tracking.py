@@ -122,9 +122,10 @@ def _end_failed(run_id: str, error: BaseException) -> bool:
     quick = is_server(tracking_uri()) and from_server(error)
     with _quick_requests() if quick else contextlib.nullcontext():
         try:
-            if mlflow.active_run() is not None:
+            active = mlflow.active_run()
+            if active is not None and active.info.run_id == run_id:
                 mlflow.end_run("FAILED")
-            else:  # end_run("FINISHED") failed after taking the run off MLflow's stack
+            else:  # a child run, or end_run("FINISHED") failed after taking the run off MLflow's stack
                 MlflowClient().set_terminated(run_id, "FAILED")
         except SERVER_ERRORS:
             return False
@@ -195,7 +196,8 @@ def log_child_runs(parent_run_id: str, experiment_id: str, dataset: str,
     A row's numbers are metrics and its text (the weights' SHA-256) tags. `timings` maps a seed to the
     wall-clock (start, end) of its training, in seconds since the epoch, so the UI shows each seed's real
     duration. `seed_tags` adds tags per seed: where it ran (the worker's host, torch and CPU facts). Written
-    with the client directly: a few calls per seed keep 100 children to seconds.
+    with the client directly: a few calls per seed keep 100 children to seconds. A child whose logging fails or is
+    stopped (SIGTERM, Ctrl-C) ends FAILED, as its parent will, not RUNNING.
     """
     from mlflow.entities import Metric, Param, RunTag
 
@@ -206,12 +208,16 @@ def log_child_runs(parent_run_id: str, experiment_id: str, dataset: str,
         child = client.create_run(experiment_id, start_time=start_ms, run_name=f"{dataset}-seed-{seed}",
                                   tags={**tags, **process_tags(), "mlflow.parentRunId": parent_run_id})
         texts = {k: v for k, v in row.items() if isinstance(v, str)}
-        client.log_batch(child.info.run_id, params=[Param("seed", str(seed))],
-                         metrics=[Metric(k, float(v), end_ms, 0) for k, v in row.items()
-                                  if k != "seed" and not isinstance(v, str)],
-                         tags=[RunTag(k, str(v)) for k, v in
-                               {"seed": str(seed), **texts, **(seed_tags or {}).get(seed, {})}.items()])
-        client.set_terminated(child.info.run_id, "FINISHED", end_time=end_ms)
+        try:
+            client.log_batch(child.info.run_id, params=[Param("seed", str(seed))],
+                             metrics=[Metric(k, float(v), end_ms, 0) for k, v in row.items()
+                                      if k != "seed" and not isinstance(v, str)],
+                             tags=[RunTag(k, str(v)) for k, v in
+                                   {"seed": str(seed), **texts, **(seed_tags or {}).get(seed, {})}.items()])
+            client.set_terminated(child.info.run_id, "FINISHED", end_time=end_ms)
+        except BaseException as error:
+            _end_failed(child.info.run_id, error)
+            raise
 
 
 # The params.yaml keys (dotted prefixes) each stage logs into its MLflow run: its own, as dvc.yaml's `params` lists
