@@ -2,9 +2,9 @@
 
     python -m benchmarks.child_runs --out reports/benchmark-team.json      (what `make bench-team` runs)
 
-The reproduce stage logs one child run per seed after training, with stages.support.tracking.log_child_runs (a
-create, a batch of params, metrics and tags, and a terminate per seed). This times exactly that call for
-`--seeds` children (100, as reproduce@cora), `--repeats` times, against
+The reproduce stage logs one child run per seed, each batch's as it comes in, with
+stages.support.tracking.log_child_runs (a create, a batch of params, metrics and tags, and a terminate per seed).
+This times exactly that call for `--seeds` children (100, as reproduce@cora), `--repeats` times, against
 
 - `sqlite`: a fresh SQLite store in a temporary folder, as `make repro` on a laptop;
 - `server`: a team backend started for the benchmark (team.backend.up, as `make team-up`, in a temporary
@@ -62,25 +62,16 @@ def _summary(seconds: list[float]) -> dict:
 
 
 def run(seeds: int, repeats: int) -> dict:
-    from team.backend import down, up
-    from team.settings import State
+    from team.backend import temporary_backend
 
     with tempfile.TemporaryDirectory(prefix="gat-bench-") as folder:
         root = Path(folder)
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root / 'sqlite' / 'mlflow.db'}"
         (root / "sqlite").mkdir()
         sqlite = time_child_logging(seeds, repeats)
-
-        state_root = root / "team"
-        state_root.mkdir()
-        root.chmod(0o755)  # as root, PostgreSQL runs as another user, who must reach its folder
-        state = State(state_root)
-        settings = up(state, dvc_remote=False)
-        try:
-            os.environ.update(state.client_env(settings))
+        with temporary_backend(root / "team") as client_env:
+            os.environ.update(client_env)
             server = time_child_logging(seeds, repeats)
-        finally:
-            down(state)
     machine = {"cpus": os.cpu_count(), "python": platform.python_version()}
     return {"children": seeds, "repeats": repeats, "machine": machine,
             "sqlite": _summary(sqlite), "server": _summary(server),

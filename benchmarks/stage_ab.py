@@ -2,6 +2,7 @@
 
     python -m benchmarks.stage_ab --against 1074697 --data data/prepared/cora     # issue 22's starting point
     python -m benchmarks.stage_ab --against 1074697 --raw ../shared/datasets/planetoid
+    python -m benchmarks.stage_ab --against 9a20b0a --data data/prepared/cora --team  # both against a team server
 
 Issue 22 counts its throughput in seed-epochs per CPU second of `reproduce`. `make bench` (benchmarks.train_ab) times
 the training loop alone; this times the stage itself: each side's own `python -m stages.reproduce`, with its own
@@ -9,8 +10,10 @@ params.yaml, code and kernel (the older commit's tree from `git archive`, its ke
 prepared data: `--data`, a preprocess output folder (`make repro` writes data/prepared/cora), or else the raw
 Planetoid files in `--raw` (by default the machines' shared copy, else data/raw/cora), which this checkout's own
 preprocess stage prepares first, untimed, into the temporary folder. Each run tracks into its own SQLite store in a
-temporary folder and writes its outputs there; nothing is written in the repository. `make bench` runs it once for
-Cora against issue 22's starting point (benchmarks.throughput.stage_against_issue_22_start).
+temporary folder and writes its outputs there; nothing is written in the repository. With `--team`, every run
+tracks into one team backend instead (team.backend.temporary_backend: PostgreSQL, SeaweedFS and `mlflow server`,
+as `make team-up` starts them, in the temporary folder, on this machine, stopped at the end). `make bench` runs it
+once for Cora against issue 22's starting point (benchmarks.throughput.stage_against_issue_22_start).
 
 A run's CPU time is its whole process tree's, the worker processes included (getrusage of the waited children), and
 its seed-epochs are the `epochs` column of the seeds.csv it writes. Both sides must write the same seeds.csv. The
@@ -21,6 +24,7 @@ wall time, median [min-max], and the ratio of the medians.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import hashlib
 import resource
@@ -30,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from benchmarks.data import default_data_dir
 from benchmarks.kernel_ab import REPO_ROOT, turns
@@ -76,11 +80,16 @@ def prepare(raw: Path, dataset: str, folder: Path) -> Path:
     return prepared
 
 
-def run_stage(tree: Path, fused_dir: Path | None, dataset: str, data: Path, folder: Path) -> dict:
-    """One run of `tree`'s reproduce stage on `data`, tracking into `folder`/mlflow.db (created first, untimed) and
-    writing to `folder`/out: its wall and CPU seconds, its seed-epochs and its seeds.csv's SHA-256."""
-    env = tracked_environment(fused_dir, folder / "mlflow.db")
-    run_module(["tools.init_store"], tree, env, f"creating the MLflow store in {folder}")
+def run_stage(tree: Path, fused_dir: Path | None, dataset: str, data: Path, folder: Path,
+              server: Mapping[str, str] | None = None) -> dict:
+    """One run of `tree`'s reproduce stage on `data`, tracking into the `server` that these client settings name, or
+    else into `folder`/mlflow.db (created first, untimed), and writing to `folder`/out: its wall and CPU seconds, its
+    seed-epochs and its seeds.csv's SHA-256."""
+    if server is None:
+        env = tracked_environment(fused_dir, folder / "mlflow.db")
+        run_module(["tools.init_store"], tree, env, f"creating the MLflow store in {folder}")
+    else:
+        env = {**side_environment(fused_dir, one_thread=False), **server}
     out = folder / "out"
     cpu, start = children_cpu_s(), time.perf_counter()
     run_module(["stages.reproduce", "--dataset", dataset, "--data", str(data), "--out", str(out)], tree, env,
@@ -92,14 +101,15 @@ def run_stage(tree: Path, fused_dir: Path | None, dataset: str, data: Path, fold
 
 
 def take_turns(sides: dict[str, tuple[Path, Path | None]], dataset: str, data: Path, rounds: int,
-               folder: Path) -> dict[str, list[dict]]:
-    """`rounds` runs of each side (name: (tree, kernel folder)), the order swapping every round."""
+               folder: Path, server: Mapping[str, str] | None = None) -> dict[str, list[dict]]:
+    """`rounds` runs of each side (name: (tree, kernel folder)), the order swapping every round; each tracking into
+    `server` (run_stage), or its own SQLite store."""
     samples: dict[str, list[dict]] = {name: [] for name in sides}
     for round_ in range(rounds):
         for index, name in enumerate(turns(list(sides), round_)):
             run_folder = folder / f"round{round_}-side{index}"
             run_folder.mkdir()
-            samples[name].append(run_stage(*sides[name], dataset, data, run_folder))
+            samples[name].append(run_stage(*sides[name], dataset, data, run_folder, server))
     return samples
 
 
@@ -131,20 +141,28 @@ def summary(compared: dict) -> list[str]:
     return lines
 
 
-def against_revision(revision: str, dataset: str, data: Path | None, rounds: int, raw: Path | None = None) -> dict:
+def against_revision(revision: str, dataset: str, data: Path | None, rounds: int, raw: Path | None = None,
+                     team: bool = False) -> dict:
     """This checkout's stage against `revision`'s (comparison), on the prepared `data`, or else on `dataset` prepared
-    first (untimed) from the raw files in `raw` (by default benchmarks.data.default_data_dir()'s)."""
+    first (untimed) from the raw files in `raw` (by default benchmarks.data.default_data_dir()'s); with `team`, both
+    tracking into one team backend started for the purpose."""
     reason = fused.unavailable_reason()
     if reason is not None:
         raise StageError(f"this checkout's fused kernel is unavailable ({reason}): build it with `make .venv/.fused`")
-    with tempfile.TemporaryDirectory(prefix="gat-stage-ab-") as name:
+    with tempfile.TemporaryDirectory(prefix="gat-stage-ab-") as name, contextlib.ExitStack() as backend:
         folder = Path(name)
         if data is None:
             data = prepare(raw or default_data_dir(), dataset, folder)
         tree = unpack_revision(revision, folder)
         sides = {"this checkout": (REPO_ROOT, None), revision: (tree, build_older_kernel(tree, revision))}
-        compared = comparison(take_turns(sides, dataset, data.resolve(), rounds, folder))
-    return {"against": revision, "dataset": dataset, "rounds": rounds, **compared}
+        server = None
+        if team:
+            from team.backend import temporary_backend
+
+            server = backend.enter_context(temporary_backend(folder / "team"))
+        compared = comparison(take_turns(sides, dataset, data.resolve(), rounds, folder, server))
+    return {"against": revision, "dataset": dataset, "rounds": rounds, "store": "team" if team else "sqlite",
+            **compared}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -156,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                  "machines' shared copy, else data/raw/cora)")
     parser.add_argument("--dataset", default="cora", help="the dataset's name in params.yaml (default: cora)")
     parser.add_argument("--rounds", type=int, default=3, help="runs per side, taking turns")
+    parser.add_argument("--team", action="store_true", help="track into a team backend started for the purpose "
+                                                             "(as `make team-up`), not into SQLite stores")
     args = parser.parse_args(argv)
 
     def run() -> None:
@@ -167,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.raw is not None and not args.raw.is_dir():
             raise StageError(f"{args.raw} is not a folder: pass the folder of the raw Planetoid files "
                              "(ind.cora.x, ...)")
-        compared = against_revision(args.against, args.dataset, args.data, args.rounds, args.raw)
+        compared = against_revision(args.against, args.dataset, args.data, args.rounds, args.raw, args.team)
         print("\n".join(summary(compared)))
 
     # SIGTERM, Ctrl-C or a dead parent: one line, the running stage killed, the temporary folder removed.

@@ -29,8 +29,10 @@ pipeline's MLflow names, claimed by the admin).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Iterator
 
 from team.names import claim_names
 from team.ports import HOST_ENV, PORT_NAMES, choose_ports, listen_address
@@ -111,6 +113,19 @@ def down(state: State, quiet: bool = False) -> None:
         say("team backend is not running (its data, if any, is kept)")
     elif stopped and not quiet:
         say(f"team backend stopped; data kept in {state.root}")
+
+
+@contextlib.contextmanager
+def temporary_backend(folder: Path) -> Iterator[dict[str, str]]:
+    """A team backend in the new folder `folder` (no DVC remote), for a benchmark: its clients' environment (what
+    `.team/env` exports); stopped at the end, by PID, whatever happens."""
+    folder.mkdir()
+    folder.parent.chmod(0o755)  # as root, PostgreSQL runs as another user, who must reach its folder
+    state = State(folder)
+    try:
+        yield state.client_env(up(state, dvc_remote=False))
+    finally:
+        down(state, quiet=True)
 
 
 def status(state: State) -> bool:

@@ -962,6 +962,28 @@ def test_the_stage_comparison_runs_both_stages_in_turn_to_the_same_seeds(prepare
 
 
 @pytest.mark.slow
+def test_the_stage_comparison_can_track_into_a_team_server(prepared_synthetic_cora: Path, tmp_path: Path,
+                                                           team_backend) -> None:
+    """`--team`: a side's stage logs into the team server that the clients' settings name (its parent run and a child
+    run per seed), and creates no SQLite store."""
+    from team_support import server_runs
+
+    from benchmarks import stage_ab
+    from stages.support.store import REPRODUCE_EXPERIMENT
+
+    before = {run.info.run_id for run in server_runs(team_backend, REPRODUCE_EXPERIMENT)}
+    samples = stage_ab.take_turns({"this checkout": (REPO, None)}, "cora", prepared_synthetic_cora, 1, tmp_path,
+                                  team_backend.client_env)
+    assert len(samples["this checkout"]) == 1 and not list(tmp_path.rglob("mlflow.db"))
+    new = [run for run in server_runs(team_backend, REPRODUCE_EXPERIMENT) if run.info.run_id not in before]
+    (parent,) = [run for run in new if "mlflow.parentRunId" not in run.data.tags]
+    assert parent.info.status == "FINISHED"
+    seeds = len((tmp_path / "round0-side0" / "out" / "seeds.csv").read_text().splitlines()) - 1
+    children = [run.data.tags["mlflow.parentRunId"] for run in new if run is not parent]
+    assert children == [parent.info.run_id] * seeds
+
+
+@pytest.mark.slow
 def test_a_stopped_stage_comparison_leaves_no_stage_running(tmp_path: Path, prepared_synthetic_cora: Path) -> None:
     """SIGTERM while a stage runs stops the comparison within seconds, in one line, with the stage, its worker
     processes and the temporary folder gone."""

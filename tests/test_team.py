@@ -318,6 +318,41 @@ def test_team_up_when_up_is_a_no_op_that_says_so(team_backend: TeamBackend) -> N
     assert team_backend.pids() == pids
 
 
+@pytest.mark.team
+def test_a_temporary_backend_serves_its_clients_and_stops_by_pid_after_an_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """team.backend.temporary_backend, which the benchmarks track into: a whole backend in a new folder whose clients'
+    settings reach its MLflow server, every server stopped when the block ends, here with an error."""
+    import shutil
+    import tempfile
+
+    from mlflow.tracking import MlflowClient
+
+    from team.backend import running, temporary_backend
+    from team.settings import State
+
+    root = Path(tempfile.mkdtemp(prefix="gat-team-temporary-"))  # not tmp_path (0700): PostgreSQL's user must reach it
+    state = State(root / "team")
+    try:
+        with pytest.raises(RuntimeError, match="the benchmark failed"), temporary_backend(root / "team") as env:
+            pids = running(state)
+            assert all(pids.values()), pids
+            for key, value in env.items():
+                monkeypatch.setenv(key, value)
+            assert MlflowClient(env["MLFLOW_TRACKING_URI"]).get_experiment_by_name(REPRODUCE_EXPERIMENT) is not None
+            raise RuntimeError("the benchmark failed")
+
+        def alive(pid: int) -> bool:  # a killed server that this process started stays a zombie until reaped
+            try:
+                return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
+        assert not [pid for pid in pids.values() if alive(pid)]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_team_up_refuses_a_port_in_use_naming_it(tmp_path: Path) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
