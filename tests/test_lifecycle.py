@@ -630,8 +630,9 @@ def _run_ids(pipeline: Pipeline, experiment: str) -> set[str]:
     return {run.info.run_id for run in pipeline.runs(experiment)}
 
 
-def _start_reproduce(pipeline: Pipeline, tmp_path: Path, **popen: object) -> tuple[subprocess.Popen, Path]:
-    pipeline.set_params(**REPRODUCE_FOREVER)
+def _start_reproduce(pipeline: Pipeline, tmp_path: Path, params: dict[str, object] = REPRODUCE_FOREVER,
+                     **popen: object) -> tuple[subprocess.Popen, Path]:
+    pipeline.set_params(**params)
     err = tmp_path / "stderr.txt"
     with err.open("w") as stderr:
         process = subprocess.Popen(
@@ -684,6 +685,40 @@ def test_interrupted_reproduce_stops_within_seconds(pipeline_copy: Pipeline, tmp
     assert f"interrupted by {signal.Signals(signum).name}" in err.read_text()
     assert "Traceback" not in err.read_text()
     print(f"reproduce stopped {stopped_in:.1f} s after {signal.Signals(signum).name}")
+
+
+def test_a_stopped_reproduce_keeps_the_seeds_it_finished_as_child_runs(pipeline_copy: Pipeline, tmp_path: Path,
+                                                                       cleanup: Cleanup) -> None:
+    """Each batch's child runs are logged as the batch comes in, not after the last one: SIGTERM once the first seeds
+    are in leaves them FINISHED under the FAILED parent, no child RUNNING, and no output."""
+    seeds = 40  # one worker, one seed a batch, 1000 epochs each: seconds of training left when the first is in
+    before = _run_ids(pipeline_copy, REPRODUCE_EXPERIMENT)
+    process, err = _start_reproduce(pipeline_copy, tmp_path, {
+        "reproduce.seeds": seeds, "reproduce.seeds_per_batch": 1, "reproduce.workers": 1,
+        "reproduce.protocol.cora.optim.max_epochs": 1000, "reproduce.protocol.cora.optim.patience": 100000})
+
+    def children() -> list:
+        return [run for run in pipeline_copy.runs(REPRODUCE_EXPERIMENT)
+                if run.info.run_id not in before and "mlflow.parentRunId" in run.data.tags]
+
+    try:
+        cleanup.watch(process.pid)
+        assert _poll(lambda: process.poll() is not None or children(), START_S, 0.2), \
+            f"no child run while reproduce trained:\n{err.read_text()}"
+        assert process.poll() is None, err.read_text()
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=STOP_S)
+    finally:
+        process.kill()
+    assert code == 128 + signal.SIGTERM, err.read_text()
+    parent = _new_run(pipeline_copy, REPRODUCE_EXPERIMENT, before)
+    assert parent.info.status == "FAILED"
+    finished = children()
+    assert 1 <= len(finished) < seeds
+    assert {run.data.tags["mlflow.parentRunId"] for run in finished} == {parent.info.run_id}
+    assert {run.info.status for run in finished} == {"FINISHED"}
+    assert sorted(int(run.data.tags["seed"]) for run in finished) == list(range(len(finished)))
+    assert not (tmp_path / "out").exists()
 
 
 def test_killed_reproduce_takes_its_workers_with_it(pipeline_copy: Pipeline, tmp_path: Path,
