@@ -55,10 +55,11 @@ def failure(ran: subprocess.CompletedProcess, what: str) -> StageError:
     return StageError(f"{what} failed: {lines[-1].removeprefix('error: ')}")  # the stages' one line, once
 
 
-def tracked_environment(fused_dir: Path | None, store: Path) -> dict[str, str]:
+def tracked_environment(fused_dir: Path | None, store: Path | Mapping[str, str]) -> dict[str, str]:
     """The user's thread settings, as `dvc repro` would run a stage, with the kernel in `fused_dir` (None: this
-    checkout's) and the SQLite store `store` of the run's own."""
-    return {**side_environment(fused_dir, one_thread=False), "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
+    checkout's), tracking into the SQLite store `store` of the run's own, or the server these client settings name."""
+    tracking = store if isinstance(store, Mapping) else {"MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
+    return {**side_environment(fused_dir, one_thread=False), **tracking}
 
 
 def run_module(arguments: list[str], tree: Path, env: dict[str, str], what: str) -> None:
@@ -85,11 +86,9 @@ def run_stage(tree: Path, fused_dir: Path | None, dataset: str, data: Path, fold
     """One run of `tree`'s reproduce stage on `data`, tracking into the `server` that these client settings name, or
     else into `folder`/mlflow.db (created first, untimed), and writing to `folder`/out: its wall and CPU seconds, its
     seed-epochs and its seeds.csv's SHA-256."""
+    env = tracked_environment(fused_dir, folder / "mlflow.db" if server is None else server)
     if server is None:
-        env = tracked_environment(fused_dir, folder / "mlflow.db")
         run_module(["tools.init_store"], tree, env, f"creating the MLflow store in {folder}")
-    else:
-        env = {**side_environment(fused_dir, one_thread=False), **server}
     out = folder / "out"
     cpu, start = children_cpu_s(), time.perf_counter()
     run_module(["stages.reproduce", "--dataset", dataset, "--data", str(data), "--out", str(out)], tree, env,

@@ -38,6 +38,22 @@ from stages.support.tables import dataset_section, histogram_bins, histogram_fig
 from stages.support.tracking import (describe_run, log_child_runs, logged_params, split_seed, stage_run,
                                      standard_tags)
 
+def log_batch(parent: mlflow.ActiveRun, dataset: str, tags: dict[str, str], batch: list[int],
+              result: BatchResult) -> None:
+    """A batch's child runs as it comes in, while the workers train the others: logging 100 children at the end kept
+    the finished results from the user for 1.6 s (SQLite) to 22 s (a team server)."""
+    check_same_code([result])
+    returned = [row["seed"] for row in result.rows]
+    if returned != batch:
+        fail(f"a worker returned seeds {returned} for the batch {batch}: a bug, please report it.")
+    # Each seed's training time, inside the parent's (another host's clock may be off a little).
+    start_s, now = parent.info.start_time / 1000, time.time()
+    timings = {seed: (min(max(start, start_s), now), min(max(end, start_s), now))
+               for seed, (start, end) in result.timings.items()}
+    log_child_runs(parent.info.run_id, parent.info.experiment_id, dataset, result.rows, timings, tags,
+                   {seed: result.worker for seed in returned})
+
+
 def run() -> None:
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--dataset", required=True)
@@ -79,22 +95,9 @@ def run() -> None:
             # Plain tensors travel to the workers; torch's pickling of sparse ones warns on every batch.
             # The last round in ever smaller batches, so that the workers end together (gat.seeds.batches).
             jobs = [(setup, batch) for batch in batches(seeds, settings.seeds_per_batch, pool.size)]
-
-            def log_seeds(index: int, result: BatchResult) -> None:
-                """A batch's child runs as it comes in, while the workers train the others: logging 100 children
-                at the end kept the finished results from the user for 1.6 s (SQLite) to 22 s (a team server)."""
-                check_same_code([result])
-                returned = [row["seed"] for row in result.rows]
-                if returned != jobs[index][1]:
-                    fail(f"a worker returned seeds {returned} for the batch {jobs[index][1]}: a bug, please report it.")
-                # Each seed's training time, inside the parent's (another host's clock may be off a little).
-                start_s, now = parent.info.start_time / 1000, time.time()
-                timings = {seed: (min(max(start, start_s), now), min(max(end, start_s), now))
-                           for seed, (start, end) in result.timings.items()}
-                log_child_runs(parent.info.run_id, parent.info.experiment_id, args.dataset, result.rows, timings, tags,
-                               {seed: result.worker for seed in returned})
-
-            results = gather(pool, graph_to_tensors(graph), jobs, device, progress, on_result=log_seeds)
+            results = gather(pool, graph_to_tensors(graph), jobs, device, progress,
+                             on_result=lambda index, result: log_batch(parent, args.dataset, tags, jobs[index][1],
+                                                                       result))
         rows = [row for result in results for row in result.rows]
         workers = [result.worker for result in results]
         mlflow.set_tags({"worker_hosts": ",".join(sorted({facts["worker_host"] for facts in workers})),
