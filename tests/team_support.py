@@ -181,11 +181,14 @@ def team_pipeline(tmp_path_factory: pytest.TempPathFactory, planetoid_folder, pl
     pipeline.commit("copy of the project under test")
     # `make repro`'s two commands, with `.team/env` sourced.
     pipeline.python("-m", "tools.init_store")
+    # The server is the session's: tests that ran before this fixture (in any order) may have logged reproduce runs.
+    with credentials(team_backend):
+        earlier = {run.info.run_id for run in server_runs(team_backend, REPRODUCE_EXPERIMENT)}
     pipeline.first = pipeline.dvc("repro")
     pipeline.commit("first repro")
-    # The reproduce runs it made (tests that run later add their own).
+    # The reproduce runs this repro made: not the earlier tests', nor those of tests that run later.
     with credentials(team_backend):
-        pipeline.reproduce_runs = {run.info.run_id for run in server_runs(team_backend, REPRODUCE_EXPERIMENT)}
+        pipeline.reproduce_runs = {run.info.run_id for run in server_runs(team_backend, REPRODUCE_EXPERIMENT)} - earlier
     # `make team-remote`: the copy's DVC remote is the backend's bucket, in .dvc/config.local.
     with_team_remote(pipeline, team_backend)
     return pipeline
