@@ -12,8 +12,8 @@ results, and Ctrl-C).
 
 The README's Dask recipes, run as written (on free ports, all on 127.0.0.1): the queued 2 × 2 sweep through a
 scheduler and workers started with its exact command lines, then `make compare`; workers of an environment without the
-project and, on the README's command lines, a worker whose fused kernel is off are one-line errors. A local worker
-that falls back to the torch kernel is refused too.
+project and, on the README's command lines, a worker whose fused kernel is off are one-line errors, and so is a worker
+started in another checkout. A local worker that falls back to the torch kernel is refused too.
 
 Every wait is a poll with a deadline; no test asserts a duration.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,7 +36,7 @@ import distributed
 import psutil
 import pytest
 from conftest import WITH_DEFAULT_SIGNALS
-from pipeline_support import TINY, VENV_BIN, Pipeline, clean_env
+from pipeline_support import REPO, TINY, VENV_BIN, Pipeline, clean_env
 from readme_support import STAGE_S, ReadmeShell, process_tree, readme_blocks, stop_all, unclaimable_ports
 
 from stages.support.store import COMPARE_EXPERIMENT, REPRODUCE_EXPERIMENT
@@ -749,6 +750,32 @@ def test_workers_that_cannot_run_the_task_are_one_line_errors(copy: Pipeline, tm
     line = refused(tmp_path / "torch-kernel", shell.address)
     assert "the worker tcp://127.0.0.1:" in line and "trained with torch (fused unavailable: GAT_FUSED_DISABLE" \
         in line and "but this stage trains with fused" in line, line
+
+
+def test_a_worker_of_another_checkout_is_refused_before_any_seed_trains(copy: Pipeline, tmp_path: Path) -> None:
+    """A Dask worker started in another checkout, whose gat/ differs from the stage's by one comment line, would train
+    other code. The stage asks every worker for its code's digest before the first batch: a one-line error naming
+    that worker, exit 2, the parent run FAILED with no child run, nothing written."""
+    other = tmp_path / "other-checkout"
+    for package in ("gat", "stages"):
+        shutil.copytree(REPO / package, other / package, ignore=shutil.ignore_patterns("__pycache__"))
+    edited = other / "gat" / "seeds.py"
+    edited.write_text(edited.read_text() + "# a line this checkout has and the stage's does not\n")
+    _reset(copy, **{"reproduce.executor": "dask"})
+    before = {run.info.run_id for run in _parents(copy)}
+    # Started in `other`, the worker imports gat and stages from there (`python -m` puts its folder first on sys.path).
+    with _cluster(other, ("worker-a",)) as cluster:
+        done = _reproduce(copy, tmp_path / "out", address=cluster.address, check=False)
+        with cluster.client() as client:
+            (worker,) = cluster.worker_pids(client)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    (line,) = [text for text in done.stderr.splitlines() if text.startswith("error: ")]
+    assert line == done.stderr.strip().splitlines()[-1]
+    assert f"the worker(s) {worker} ran other code than this stage started with" in line, line
+    (parent,) = [run for run in _parents(copy) if run.info.run_id not in before]
+    assert parent.info.status == "FAILED" and not _children(copy, parent.info.run_id)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_fallback_every_process_shares_is_said_and_tagged_not_refused(copy: Pipeline, tmp_path: Path) -> None:
