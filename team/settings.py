@@ -79,15 +79,16 @@ class Settings:
 
     def client_env(self, ca_file: str) -> dict[str, str]:
         """What `.team/env` exports: the tracking server and its admin account, the team's CA certificate (MLflow's
-        own setting, and the DVC remote's `ssl_verify`), and the DVC remote."""
+        own setting, and the DVC remote's `ssl_verify`), the stages' request settings against a server (for the
+        user's own MLflow calls too), and the DVC remote."""
+        from stages.support.store import SERVER_REQUEST_SETTINGS
+
         return {
             "MLFLOW_TRACKING_URI": self.tracking_uri,
             "MLFLOW_TRACKING_USERNAME": ADMIN_USER,
             "MLFLOW_TRACKING_PASSWORD": self.admin_password,
             "MLFLOW_TRACKING_SERVER_CERT_PATH": ca_file,
-            # Artifacts through the server, which trusts the S3 API's certificate (AWS_CA_BUNDLE), not from presigned
-            # S3 URLs, which MLflow fetches with the system's CAs: each would fail, retried for a minute.
-            "MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD": "false",
+            **SERVER_REQUEST_SETTINGS,
             "GAT_TEAM_CA_FILE": ca_file,
             "GAT_TEAM_S3_ENDPOINT": self.s3_endpoint,
             "GAT_TEAM_DVC_REMOTE": f"s3://{DVC_BUCKET}",

@@ -137,9 +137,12 @@ def is_server(uri: str) -> bool:
 # Artifacts come through the server (which checks its object store's certificate), not from presigned object-store URLs,
 # which MLflow fetches trusting only the system's CAs: against a store with a certificate of the team's CA, each file
 # would fail and be retried for a minute.
-SERVER_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-                          "MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD": "false"}
+# `.team/env` exports the request settings to every client of the team's server, the user's own Python too: with
+# MLflow's defaults, `mlflow.pyfunc.load_model("runs:/<run_id>/gat-cora")` spent 4 minutes retrying the server's
+# error for the run's own copy of the model, which MLflow 3 asks for before the logged model's (there is none).
+SERVER_REQUEST_SETTINGS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                           "MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD": "false"}
+SERVER_CLIENT_DEFAULTS = {**SERVER_REQUEST_SETTINGS, "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 # What talking to a tracking server can raise: MLflow's own errors, and requests' once its retries are spent.
 SERVER_ERRORS = (MlflowException, requests.RequestException)
 # Marking a run FAILED after the server failed: one try, this long; a server that did not answer the stage's
