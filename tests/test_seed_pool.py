@@ -4,6 +4,7 @@ one whose fused kernel is off, are run for real in tests/test_dask_executor.py.)
 
 from __future__ import annotations
 
+import gat
 import pytest
 
 from gat.seeds import BatchResult
@@ -46,8 +47,6 @@ def test_the_digests_workers_report_before_a_batch_are_checked_by_address() -> N
 def test_the_code_digest_is_that_of_the_files_this_process_started_with(tmp_path, monkeypatch) -> None:
     """Cached: a file edited after the first call does not change what this process compares against."""
     first = code_sha256()
-    import gat
-
     monkeypatch.setattr(gat, "__file__", str(tmp_path / "gat" / "__init__.py"))  # another library folder
     assert code_sha256() == first
 
