@@ -560,7 +560,7 @@ struct Workspace {
   Buffer<T> hidden;     // layer 1's output, layer 2's input [T1, H1·F1]
   Buffer<T> logits;     // [T2, C]
   Buffer<T> grad_logits, grad_hidden, grad_out, grad_g, s_target, s_source, grad_s_target, grad_s_source,
-      grad_alpha, e, grads, weights_t, weights_t2, weight_pairs, grad_weights_t, z8, alpha8;
+      grad_alpha, e, grads, weights_t, weights_t2, weight_pairs, grad_weights_t, z8, alpha8, row_sums;
   std::vector<uint64_t> kept_bits;  // keep decisions in a stream's order, one bit each (draw_kept_bits)
   std::vector<index_t> ties;
 };
@@ -1897,7 +1897,12 @@ void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace
   const bool dropout = !c.alpha_kept.empty();
   const T* x_by_column = static_cast<const T*>(p.x_cval);
   const T* dg = ws.grad_g.data();  // by source, [S, H·8]: a source's 64 values in one place
-  alignas(64) T by_head[64];
+  // A feature's 64 sums land in a workspace buffer, not in a local array: GCC 12 kept sparse_row_product's four
+  // 16-lane sums in such an array itself (a load, an add and a store per entry, so each sum's chain of adds went
+  // through memory), which it cannot do with a buffer that the gathered rows of ∂L/∂g might overlap. The same sums;
+  // the phase 0.76 times as long (reports/fused-kernel-log.md, "∂L/∂W's sums in registers").
+  ws.row_sums.resize(64);
+  T* by_head = ws.row_sums.data();
   for (index_t q = 0; q < fin; ++q) {
     // Column q of x: its entries t, each with the gradient of its node's g.
     sparse_row_product(p.x_ccol[q], p.x_ccol[q + 1], c, dropout,
