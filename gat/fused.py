@@ -256,6 +256,11 @@ def load(path: Path, earlier: bool = False) -> Any:
         lib.gat_lanes_validation_ns.restype = ctypes.c_int64
     lib.gat_lanes_free.argtypes = [pointer]
     lib.gat_lanes_free.restype = None
+    if hasattr(lib, "gat_seeds_new"):  # older revisions' libraries (benchmarks.kernel_ab) lack these two
+        lib.gat_seeds_new.argtypes = [pointer, ctypes.c_int, ctypes.c_int]
+        lib.gat_seeds_new.restype = pointer
+        lib.gat_first_w_by_feature.argtypes = []
+        lib.gat_first_w_by_feature.restype = ctypes.c_int
     return lib
 
 
@@ -516,6 +521,11 @@ class SeedLanes:
     threads. Each lane computes what FusedTrainer computes for its seed, operation by operation: a seed's
     result does not depend on the batch, its lane, the lane width or the thread count.
 
+    With `lanes` 1 the kernel keeps the paper's first W either by input feature (no transpose per pass, its Adam
+    update row by row) or transposes it into its workspace in every pass, by this CPU's L2 cache (by feature with
+    1.5 MB or more: measured faster on a 2 MB Intel Xeon, slower on a 1 MB AMD EPYC); the same bytes either way.
+    `first_w_by_feature` overrides that choice (the tests run both).
+
     Shapes: checkpoint: the model's parameters [R, ...]; epochs, best_epoch: [R] int64; best_acc, best_loss:
     [R] float64; after each tick, train_loss and val_loss [R] float32, train_acc and val_acc [R] float64, and
     epoch_of [R] int64 (the epoch each seed just trained, 0 for those that did not train in it)
@@ -523,10 +533,12 @@ class SeedLanes:
 
     def __init__(self, model: GAT, lr: float, weight_decay: float, max_epochs: int, patience: int,
                  train_view: Any, val_view: Any, noise: ReplicaDropout | None, lanes: int,
-                 threads: int = 1, lib: Any = None):
+                 threads: int = 1, lib: Any = None, first_w_by_feature: bool | None = None):
         self._run = None
         if lanes not in LANE_WIDTHS:
             raise ValueError(f"lanes must be one of {LANE_WIDTHS}, got {lanes}")
+        if first_w_by_feature is not None and lanes != 1:
+            raise ValueError("first_w_by_feature chooses the per-seed kernel's layout: it needs lanes of 1")
         self.lib = lib or library()
         self.train_plan = model_plan(model, train_view.x, train_view.blocks, train_view.labels)
         self.val_plan = model_plan(model, val_view.x, val_view.blocks, val_view.labels)
@@ -552,7 +564,10 @@ class SeedLanes:
             self.epochs.ctypes.data, self.best_epoch.ctypes.data, self.best_acc.ctypes.data,
             self.best_loss.ctypes.data)
         self.lanes = lanes
-        self._run = self.lib.gat_lanes_new(ctypes.byref(self._spec), lanes, threads)
+        if first_w_by_feature is None:  # the kernel's choice (by this CPU's L2 cache, with lanes of 1)
+            self._run = self.lib.gat_lanes_new(ctypes.byref(self._spec), lanes, threads)
+        else:
+            self._run = self.lib.gat_seeds_new(ctypes.byref(self._spec), int(first_w_by_feature), threads)
         if not self._run:
             raise FusedUnavailable(f"the lane kernel could not start {R} seeds in lanes of {self.lanes}")
 

@@ -203,12 +203,15 @@ def per_seed_loop(lib: Any, graph: GraphTensors, config: ModelConfig, seeds: lis
 
 
 def lanes_loop(lib: Any, graph: GraphTensors, config: ModelConfig, seeds: list[int], max_epochs: int, patience: int,
-               lanes: int, threads: int = 1) -> tuple[list[Tensor], list[int], list[int]]:
-    """The same seeds trained by SeedLanes in lanes of `lanes`."""
+               lanes: int, threads: int = 1,
+               first_w_by_feature: bool | None = None) -> tuple[list[Tensor], list[int], list[int]]:
+    """The same seeds trained by SeedLanes in lanes of `lanes` (with lanes of 1, the first W's layout
+    `first_w_by_feature`, None: the kernel's choice for this CPU)."""
     model = GAT(config, graph.x.num_features, graph.num_classes, seeds)
     noise = ReplicaDropout(seeds, config.dropout) if config.dropout > 0 else None
     run = fused.SeedLanes(model, 0.005, 5e-4, max_epochs, patience, NodeView.of(graph, graph.train_idx, 2),
-                          NodeView.of(graph, graph.val_idx, 2), noise, lanes, threads=threads, lib=lib)
+                          NodeView.of(graph, graph.val_idx, 2), noise, lanes, threads=threads, lib=lib,
+                          first_w_by_feature=first_w_by_feature)
     while run.tick():
         pass
     run.close()
@@ -224,13 +227,16 @@ LANE_CASES: dict[str, tuple[dict[str, int], ModelConfig, list[int]]] = {
 }
 
 
-def check_lanes(lib: Any, lanes: int, max_epochs: int = 40, patience: int = 5) -> None:
+def check_lanes(lib: Any, lanes: int, max_epochs: int = 40, patience: int = 5,
+                first_w_by_feature: bool | None = None) -> None:
     """SeedLanes against the per-seed loop, to the bit: every seed's checkpoint, stopping epoch and checkpoint epoch,
-    at lane width `lanes` (the per-seed kernel is the one checked against the torch path above)."""
+    at lane width `lanes` (the per-seed kernel is the one checked against the torch path above); with lanes of 1,
+    in the first W's layout `first_w_by_feature` (None: the one the kernel chooses on this CPU)."""
     for name, (layout, config, seeds) in LANE_CASES.items():
         graph = GraphTensors.from_graph(random_graph(**layout))
         expected = per_seed_loop(lib, graph, config, seeds, max_epochs, patience)
-        actual = lanes_loop(lib, graph, config, seeds, max_epochs, patience, lanes)
+        actual = lanes_loop(lib, graph, config, seeds, max_epochs, patience, lanes,
+                            first_w_by_feature=first_w_by_feature)
         if actual[1:] != expected[1:]:
             raise Disagreement(f"{name}, lanes of {lanes}: stopping and checkpoint epochs {actual[1:]} against the "
                                f"per-seed kernel's {expected[1:]}")
@@ -256,7 +262,11 @@ def checks(lib: Any) -> dict[str, Callable[[], Any]]:
     return {**{name: case_check(name) for name in CASES},
             "float64 gradients": lambda: check_double_precision(lib),
             "Adam steps": lambda: check_adam(lib),
-            **{f"seeds in lanes of {lanes}": functools.partial(check_lanes, lib, lanes) for lanes in fused.LANE_WIDTHS}}
+            **{f"seeds in lanes of {lanes}": functools.partial(check_lanes, lib, lanes) for lanes in fused.LANE_WIDTHS},
+            # whichever layout of the first W this CPU's L2 cache picks, the other one is checked too
+            **{f"the per-seed native loop, the first W {layout}": functools.partial(check_lanes, lib, 1,
+                                                                                 first_w_by_feature=by_feature)
+               for layout, by_feature in (("by input feature", True), ("transposed in every pass", False))}}
 
 
 def disagreement(lib: Any) -> str | None:

@@ -451,6 +451,27 @@ def test_seeds_in_lanes_are_the_per_seed_kernels_bytes(lanes: int) -> None:
     check_lanes(fused.library(), lanes)
 
 
+@pytest.mark.parametrize("by_feature", [True, False])
+def test_both_layouts_of_the_first_w_give_the_per_seed_kernels_bytes(by_feature: bool) -> None:
+    """The per-seed native loop with the paper's first W by input feature (Adam row by row inside ∂L/∂W) and
+    transposed in every pass, whichever this CPU's L2 cache picks by default: checkpoints and epochs to the bit."""
+    from gat.fused_check import check_lanes
+
+    check_lanes(fused.library(), 1, first_w_by_feature=by_feature)
+
+
+def test_the_first_ws_layout_follows_the_l2_cache() -> None:
+    """By input feature with an L2 cache of 1.5 MB or more per core (getconf, as the kernel's sysconf reads it),
+    else transposed; only the per-seed kernel takes a layout."""
+    import subprocess
+
+    reported = subprocess.run(["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True).stdout.strip()
+    l2 = int(reported) if reported.isdigit() else 0
+    assert fused.library().gat_first_w_by_feature() == (1 if l2 >= 1536 * 1024 else 0)
+    with pytest.raises(ValueError, match="needs lanes of 1"):
+        fused.SeedLanes(GAT(SMALL, 4, 3, [0]), 0.005, 5e-4, 10, 5, None, None, None, lanes=4, first_w_by_feature=True)
+
+
 @pytest.mark.parametrize("lanes", fused.LANE_WIDTHS)
 def test_train_in_lanes_gives_every_seed_its_bytes(small_graph: GraphTensors, lanes: int, monkeypatch) -> None:
     """train() with $GAT_FUSED_LANES: the same TrainResult as the per-seed loop, seed by seed, whatever the width,

@@ -33,6 +33,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>  // sysconf: the L2 cache's size (first_w_by_feature_here)
+
 #if defined(__SSE4_1__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -104,6 +106,14 @@ struct AdamStep {
       param[i] = param[i] + step_size * exp_avg[i] / denom;
     }
   }
+};
+
+// Adam on the first layer's W (by feature), row by row: first_layer_weight_grad updates each row of W as soon as its
+// row of ∂L/∂W is summed, while the row is in L1 and while the sparse products keep the other ports busy (Adam's
+// square roots and divisions wait on one divider). Null `step`: W waits for the whole gradient, as the others do.
+struct AdamRows {
+  const AdamStep* step = nullptr;
+  float *param = nullptr, *exp_avg = nullptr, *exp_avg_sq = nullptr;
 };
 
 // Where the time of the paper's model goes, phase by phase, when built with -DGAT_PHASE_TIMERS
@@ -513,15 +523,19 @@ struct CacheLineAllocator {
 template <typename T>
 using Buffer = std::vector<T, CacheLineAllocator<T>>;
 
-// A layer's parameters (or their gradients), torch's layouts.
+// A layer's parameters (or their gradients), torch's layouts. W_by_feature: the paper's first layer keeps W (and
+// ∂L/∂W) as [F_in, H·F'], the 64 weights of an input feature in one row (SeedRun's own copy; layer_forward would
+// otherwise transpose torch's [H, F_in, F'] into that on every pass).
 template <typename T>
 struct LayerParams {
   const T *W, *a_target, *a_source, *b_target, *b_source, *bias;
+  bool W_by_feature = false;
 };
 
 template <typename T>
 struct LayerGrads {
   T *W, *a_target, *a_source, *b_target, *b_source, *bias;
+  bool W_by_feature = false;
 };
 
 // What a layer's backward pass needs of its forward pass.
@@ -562,6 +576,7 @@ struct Workspace {
   Buffer<T> grad_logits, grad_hidden, grad_out, grad_g, s_target, s_source, grad_s_target, grad_s_source,
       grad_alpha, e, grads, weights_t, weights_t2, weight_pairs, grad_weights_t, z8, alpha8, row_sums;
   std::vector<uint64_t> kept_bits;  // keep decisions in a stream's order, one bit each (draw_kept_bits)
+  AdamRows adam_rows;  // train_replica's, for the first layer's backward pass
   std::vector<index_t> ties;
 };
 
@@ -1297,8 +1312,8 @@ void layer_forward(const Problem& p, int l, const LayerParams<T>& w, const T* de
     const T* x = static_cast<const T*>(p.x_val);
     const index_t nnz = p.nnz;
     GAT_PHASE(timer, training ? kStepTranspose : kValTranspose);
-    transpose_heads(w.W, H, fin, F, ws.weights_t);
-    const T* weights = ws.weights_t.data();
+    if (!w.W_by_feature) transpose_heads(w.W, H, fin, F, ws.weights_t);
+    const T* weights = w.W_by_feature ? w.W : ws.weights_t.data();
     GAT_NEXT_PHASE(timer, training ? kStepInputMasks : kUntimed);
     if (dropout) {
       // One draw for all heads, in the stream's order [H, nnz], folded into a byte per stored feature (bit k: head k
@@ -1597,7 +1612,7 @@ void first_layer_backward_softmax(const Problem& p, Workspace<T>& ws) {
 }
 
 template <typename T>
-void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W);
+void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W, bool by_feature);
 
 // The backward pass of the paper's first layer, its 8 heads at once along each edge and each source (g, g dropped
 // and ∂L/∂g by source, [S, 64]; α and ∂L/∂α by edge, [E, 8]): ∂L/∂out through ELU and the bias; the aggregation's
@@ -1723,7 +1738,7 @@ void first_layer_backward(const Problem& p, const LayerParams<T>& w, const T* gr
   }
 
   GAT_NEXT_PHASE(timer, kStepBackXW);
-  first_layer_weight_grad(p, c, ws, g.W);
+  first_layer_weight_grad(p, c, ws, g.W, g.W_by_feature);
 }
 
 // Layer `l` backward for one replica: `grad_output` is ∂L/∂output; accumulates into `g` and, for layer 2,
@@ -1887,12 +1902,13 @@ void layer_backward(const Problem& p, int l, const LayerParams<T>& w, const T* g
   }
 }
 
-// ∂L/∂W of the paper's first layer, all heads of a stored feature at once, into `grad_W` [H, F_in, F'].
+// ∂L/∂W of the paper's first layer, all heads of a stored feature at once, into `grad_W` [H, F_in, F'], or, with
+// `by_feature` (SeedRun's W by input feature), [F_in, H·F'], each row then taking its Adam update (ws.adam_rows).
 // Feature by feature along x's columns: each row of ∂L/∂W is summed in registers and stored once, where a
 // scatter along x's rows would read and write it once per entry (and first zero and then transpose it all).
 // The terms are added in the same order either way (rows ascending), so the sums are the same to the bit.
 template <typename T>
-void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W) {
+void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace<T>& ws, T* grad_W, bool by_feature) {
   const index_t fin = p.f_in;
   const bool dropout = !c.alpha_kept.empty();
   const T* x_by_column = static_cast<const T*>(p.x_cval);
@@ -1907,8 +1923,14 @@ void first_layer_weight_grad(const Problem& p, const LayerCache<T>& c, Workspace
     // Column q of x: its entries t, each with the gradient of its node's g.
     sparse_row_product(p.x_ccol[q], p.x_ccol[q + 1], c, dropout,
                        [&](index_t t) { return SparseEntry<T>{x_by_column[t], p.x_pos[t], dg + p.x_row[t] * 64}; },
-                       by_head);
-    for (int k = 0; k < 8; ++k) std::copy(by_head + k * 8, by_head + k * 8 + 8, grad_W + (k * fin + q) * 8);
+                       by_feature ? grad_W + q * 64 : by_head);
+    for (int k = 0; !by_feature && k < 8; ++k)
+      std::copy(by_head + k * 8, by_head + k * 8 + 8, grad_W + (k * fin + q) * 8);
+    if constexpr (std::is_same_v<T, float>) {
+      const AdamRows& rows = ws.adam_rows;
+      if (by_feature && rows.step != nullptr)
+        rows.step->apply(rows.param + q * 64, rows.exp_avg + q * 64, rows.exp_avg_sq + q * 64, grad_W + q * 64, 64);
+    }
   }
 }
 
@@ -1963,20 +1985,20 @@ void loss_and_accuracy(const Problem& p, const T* logits, T* loss, double* accur
 }
 
 template <typename T>
-LayerParams<T> layer_params(const Problem& p, int l, void* const* params, index_t r) {
+LayerParams<T> layer_params(const Problem& p, int l, void* const* params, index_t r, bool W_by_feature = false) {
   const T* v[kParams];
   for (int i = 0; i < kParams; ++i) v[i] = static_cast<const T*>(params[l * kParams + i]) + r * param_numel(p, l, i);
-  return {v[0], v[1], v[2], v[3], v[4], v[5]};
+  return {v[0], v[1], v[2], v[3], v[4], v[5], W_by_feature && l == 0};
 }
 
 template <typename T>
-LayerGrads<T> layer_grads(const Problem& p, int l, T* base) {
+LayerGrads<T> layer_grads(const Problem& p, int l, T* base, bool W_by_feature = false) {
   T* v[kParams];
   for (int i = 0; i < kParams; ++i) {
     v[i] = base;
     base += param_numel(p, l, i);
   }
-  return {v[0], v[1], v[2], v[3], v[4], v[5]};
+  return {v[0], v[1], v[2], v[3], v[4], v[5], W_by_feature && l == 0};
 }
 
 index_t replica_numel(const Problem& p) {
@@ -1988,11 +2010,11 @@ index_t replica_numel(const Problem& p) {
 
 template <typename T>
 void forward(const Problem& p, void* const* params, index_t r, bool training, const Dropout& drop, void* state,
-             Workspace<T>& ws) {
+             Workspace<T>& ws, bool W_by_feature = false) {
   const index_t T1 = p.block[0].targets, hidden = p.heads[0] * p.hidden[0];
   ws.hidden.resize(T1 * hidden);
   ws.logits.resize(p.block[1].targets * p.hidden[1]);
-  layer_forward_any<T>(p, 0, layer_params<T>(p, 0, params, r), nullptr, training, drop, state, ws,
+  layer_forward_any<T>(p, 0, layer_params<T>(p, 0, params, r, W_by_feature), nullptr, training, drop, state, ws,
                        ws.hidden.data());
   GAT_PHASE(timer, training ? kStepLayer2 : kValLayer2);
   layer_forward_any<T>(p, 1, layer_params<T>(p, 1, params, r), ws.hidden.data(), training, drop, state, ws,
@@ -2002,9 +2024,9 @@ void forward(const Problem& p, void* const* params, index_t r, bool training, co
 template <typename T>
 void train_replica(const Problem& p, index_t r, void* const* params, void* const* exp_avg, void* const* exp_avg_sq,
                    const Adam* adam, const Dropout& drop, T* loss, double* accuracy, T* logits_out,
-                   void* const* grads_out, Workspace<T>& ws) {
+                   void* const* grads_out, Workspace<T>& ws, bool W_by_feature = false) {
   void* state = drop.next != nullptr ? drop.states[r] : nullptr;
-  forward<T>(p, params, r, true, drop, state, ws);
+  forward<T>(p, params, r, true, drop, state, ws, W_by_feature);
   GAT_PHASE(timer, kStepLoss);
   const index_t M = p.block[1].targets, C = p.hidden[1];
   ws.grad_logits.resize(M * C);
@@ -2013,16 +2035,25 @@ void train_replica(const Problem& p, index_t r, void* const* params, void* const
 
   const index_t numel = replica_numel(p);
   ws.grads.resize(numel);  // every gradient is written whole by the backward passes
-  const LayerGrads<T> g0 = layer_grads<T>(p, 0, ws.grads.data());
+  const LayerGrads<T> g0 = layer_grads<T>(p, 0, ws.grads.data(), W_by_feature);
   const LayerGrads<T> g1 = layer_grads<T>(p, 1, g0.bias + param_numel(p, 0, 5));
   ws.grad_hidden.resize(p.block[0].targets * p.heads[0] * p.hidden[0]);
   GAT_NEXT_PHASE(timer, kStepBackLayer2);
   layer_backward_any<T>(p, 1, layer_params<T>(p, 1, params, r), ws.grad_logits.data(), ws, g1, ws.grad_hidden.data());
   GAT_NEXT_PHASE(timer, kUntimed);  // layer 1's backward pass times its own phases
-  layer_backward_any<T>(p, 0, layer_params<T>(p, 0, params, r), ws.grad_hidden.data(), ws, g0, nullptr);
-  GAT_NEXT_PHASE(timer, kStepAdam);
   std::optional<AdamStep> adam_step;
   if (adam != nullptr) adam_step.emplace(*adam);
+  // With W by feature (the native loop's), W's rows take their Adam update in ∂L/∂W's loop (AdamRows).
+  // Set on every call, so that no call sees another's (a step that threw leaves its rows behind).
+  const bool w_by_rows = std::is_same_v<T, float> && adam_step && g0.W_by_feature;
+  const index_t n0 = param_numel(p, 0, 0);
+  ws.adam_rows = w_by_rows ? AdamRows{&*adam_step, static_cast<float*>(params[0]) + r * n0,
+                                      static_cast<float*>(exp_avg[0]) + r * n0,
+                                      static_cast<float*>(exp_avg_sq[0]) + r * n0}
+                           : AdamRows{};
+  layer_backward_any<T>(p, 0, layer_params<T>(p, 0, params, r, W_by_feature), ws.grad_hidden.data(), ws, g0, nullptr);
+  ws.adam_rows = {};
+  GAT_NEXT_PHASE(timer, kStepAdam);
 
   const T* grad = ws.grads.data();
   for (int l = 0; l < 2; ++l) {
@@ -2031,7 +2062,7 @@ void train_replica(const Problem& p, index_t r, void* const* params, void* const
       const int which = l * kParams + i;
       if (grads_out != nullptr) std::copy(grad, grad + n, static_cast<T*>(grads_out[which]) + r * n);
       if constexpr (sizeof(T) == sizeof(float)) {
-        if (adam_step) {
+        if (adam_step && !(w_by_rows && which == 0)) {
           adam_step->apply(static_cast<float*>(params[which]) + r * n, static_cast<float*>(exp_avg[which]) + r * n,
                            static_cast<float*>(exp_avg_sq[which]) + r * n, grad, n);
         }
@@ -2850,16 +2881,28 @@ struct LaneRun : LaneRunBase {
   }
 };
 
+// Whether SeedRun keeps the paper's first W by input feature on this CPU: with an L2 cache of at least
+// kFirstWByFeatureL2 bytes per core. The bytes are the same either way; the speed is not. The Intel Xeon (2 MB of L2)
+// ran the native epoch in 0.92 (4 seeds) and 0.93 (16) of the time by feature; the AMD EPYC (1 MB) in 0.83-0.93 of it
+// with W transposed into the workspace in every pass (python -m benchmarks.kernel_ab --native, each on its own CPU;
+// reports/fused-kernel-log.md, "The first W's layout by the L2 cache"). The likely reason: by feature, each seed's
+// own W must still be in L2 when x·W gathers its rows, and with 1 MB the other seeds' traffic has pushed it out,
+// while the transposed copy in the workspace was written just before. An L2 of unknown size: transposed.
+constexpr long kFirstWByFeatureL2 = 3 * 512 * 1024;  // between the two machines' 1 and 2 MB
+bool first_w_by_feature_here() {
+  static const bool by_feature = sysconf(_SC_LEVEL2_CACHE_SIZE) >= kFirstWByFeatureL2;
+  return by_feature;
+}
+
 // The per-seed kernel (train_replica, the 8 heads as the 8 lanes) in the same native loop: every replica of the batch
 // trains from the first call, one epoch per call, each on one thread with its own workspace, and leaves the loop when
-// it stops. Parameters and Adam moments keep torch's layout [R, ...], so a replica computes here exactly what
-// gat.fused.FusedTrainer computes for it between Python's calls. Each pass transposes the first W into its
-// workspace. Keeping each replica's W by input feature instead (no transpose; until 2026-12-06, with W's Adam update
-// row by row inside ∂L/∂W) made the AMD EPYC's epoch 1.07 times as long with 4 seeds and 1.19 times with 16
-// (reports/fused-kernel-log.md, "`W` transposed in every pass again"):
-// most likely x·W's gathers then read each replica's own W from beyond L2, not one hot copy in the workspace.
+// it stops. Parameters and Adam moments keep torch's layout [R, ...], except, where first_w_by_feature_here() says
+// so, the paper's first W, kept by input feature (LayerParams::W_by_feature: no transpose in each pass, and W's Adam
+// update row by row inside ∂L/∂W; Adam works element by element, so the layout changes no value). Either way a
+// replica computes here exactly what gat.fused.FusedTrainer computes for it between Python's calls.
 struct SeedRun : LaneRunBase {
   LaneRunSpec spec;
+  bool W_by_feature;  // the paper's first layer (8 heads of 8): its W by input feature, [R, F_in, 64]
   std::vector<Buffer<float>> param, exp_avg, exp_avg_sq;  // kParams per layer, each [R, ...]
   std::vector<void*> param_of, exp_avg_of, exp_avg_sq_of;
   std::vector<SeedStopping> stopping;  // [R]
@@ -2868,8 +2911,9 @@ struct SeedRun : LaneRunBase {
   std::vector<double> acc_train, acc_val;
   std::vector<std::unique_ptr<Workspace<float>>> workspaces;  // one per thread, kept between calls
 
-  SeedRun(const LaneRunSpec& s, int threads)
-      : spec(s), stopping(s.replicas),
+  SeedRun(const LaneRunSpec& s, bool first_w_by_feature, int threads)
+      : spec(s), W_by_feature(first_w_by_feature && s.train->heads[0] == 8 && s.train->hidden[0] == 8),
+        stopping(s.replicas),
         loss_train(s.replicas), loss_val(s.replicas), acc_train(s.replicas), acc_val(s.replicas) {
     for (int l = 0; l < 2; ++l)
       for (int i = 0; i < kParams; ++i) {
@@ -2879,6 +2923,12 @@ struct SeedRun : LaneRunBase {
         exp_avg.emplace_back(n, 0.0f);
         exp_avg_sq.emplace_back(n, 0.0f);
       }
+    const index_t fin = s.train->f_in, numel = param_numel(*s.train, 0, 0);
+    Buffer<float> by_feature;
+    for (int64_t r = 0; W_by_feature && r < s.replicas; ++r) {  // [H, F_in, 8] -> [F_in, H·8], replica by replica
+      transpose_heads(param[0].data() + r * numel, 8, fin, 8, by_feature);
+      std::copy(by_feature.begin(), by_feature.end(), param[0].begin() + r * numel);
+    }
     for (int w = 0; w < 2 * kParams; ++w) {
       param_of.push_back(param[w].data());
       exp_avg_of.push_back(exp_avg[w].data());
@@ -2894,13 +2944,13 @@ struct SeedRun : LaneRunBase {
     const Adam adam{spec.lr, spec.beta1, spec.beta2, spec.eps, spec.weight_decay,
                     static_cast<double>(stopping[r].epoch + 1)};
     train_replica<float>(*spec.train, r, param_of.data(), exp_avg_of.data(), exp_avg_sq_of.data(), &adam, spec.drop,
-                         loss_train.data(), acc_train.data(), nullptr, nullptr, ws);
+                         loss_train.data(), acc_train.data(), nullptr, nullptr, ws, W_by_feature);
   }
 
   // Replica r's validation pass.
   void validate(int r, Workspace<float>& ws) {
     const Dropout none{nullptr, nullptr, 0, 0, 1.0f};
-    forward<float>(*spec.val, param_of.data(), r, false, none, nullptr, ws);
+    forward<float>(*spec.val, param_of.data(), r, false, none, nullptr, ws, W_by_feature);
     loss_and_accuracy<float>(*spec.val, ws.logits.data(), loss_val.data() + r, acc_val.data() + r, nullptr);
   }
 
@@ -2908,7 +2958,14 @@ struct SeedRun : LaneRunBase {
     for (int w = 0; w < 2 * kParams; ++w) {
       const index_t n = param_numel(*spec.train, w / kParams, w % kParams);
       const float* from = param[w].data() + r * n;
-      std::copy(from, from + n, static_cast<float*>(spec.checkpoint[w]) + r * n);
+      float* to = static_cast<float*>(spec.checkpoint[w]) + r * n;
+      if (w == 0 && W_by_feature) {  // [F_in, H·8] back to torch's [H, F_in, 8]
+        const index_t fin = spec.train->f_in;
+        for (index_t q = 0; q < fin; ++q)
+          for (int k = 0; k < 8; ++k) std::copy(from + q * 64 + k * 8, from + q * 64 + k * 8 + 8, to + (k * fin + q) * 8);
+      } else {
+        std::copy(from, from + n, to);
+      }
     }
   }
 
@@ -3062,7 +3119,7 @@ int gat_evaluate_f64(const Problem* p, int64_t R, void* const* params, double* l
 void* gat_lanes_new(const LaneRunSpec* spec, int lanes, int threads) {
   try {
     switch (lanes) {
-      case 1: return new SeedRun(*spec, threads);
+      case 1: return new SeedRun(*spec, first_w_by_feature_here(), threads);
       case 4: return new LaneRun<4>(*spec, threads);
       case 8: return new LaneRun<8>(*spec, threads);
       case 16: return new LaneRun<16>(*spec, threads);
@@ -3072,6 +3129,20 @@ void* gat_lanes_new(const LaneRunSpec* spec, int lanes, int threads) {
     return nullptr;
   }
 }
+
+// The per-seed native run (gat_lanes_new's `lanes` 1) with the first W's layout chosen by the caller: by input
+// feature (1), transposed in every pass (0), or by this CPU's L2 cache (-1, first_w_by_feature_here). Null on failure.
+void* gat_seeds_new(const LaneRunSpec* spec, int first_w_by_feature, int threads) {
+  try {
+    const bool by_feature = first_w_by_feature < 0 ? first_w_by_feature_here() : first_w_by_feature != 0;
+    return new SeedRun(*spec, by_feature, threads);
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+}
+
+// Whether the per-seed native run keeps the first W by input feature on this CPU (first_w_by_feature_here).
+int gat_first_w_by_feature() { return first_w_by_feature_here() ? 1 : 0; }
 
 // One epoch of every replica in a lane (see LaneRun::tick); -1 on failure.
 int64_t gat_lanes_tick(void* run, float* train_loss, double* train_acc, float* val_loss, double* val_acc,
