@@ -3131,11 +3131,10 @@ void* gat_lanes_new(const LaneRunSpec* spec, int lanes, int threads) {
 }
 
 // The per-seed native run (gat_lanes_new's `lanes` 1) with the first W's layout chosen by the caller: by input
-// feature (1), transposed in every pass (0), or by this CPU's L2 cache (-1, first_w_by_feature_here). Null on failure.
+// feature (1) or transposed in every pass (0); gat_lanes_new chooses it by this CPU's L2 cache. Null on failure.
 void* gat_seeds_new(const LaneRunSpec* spec, int first_w_by_feature, int threads) {
   try {
-    const bool by_feature = first_w_by_feature < 0 ? first_w_by_feature_here() : first_w_by_feature != 0;
-    return new SeedRun(*spec, by_feature, threads);
+    return new SeedRun(*spec, first_w_by_feature != 0, threads);
   } catch (const std::exception&) {
     return nullptr;
   }
