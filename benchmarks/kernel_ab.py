@@ -3,6 +3,7 @@
     python -m benchmarks.kernel_ab --against dbe43d7
     python -m benchmarks.kernel_ab --against HEAD --extra-flags=-ffp-contract=fast
     python -m benchmarks.kernel_ab --against f5c84bc --native
+    python -m benchmarks.kernel_ab --first-w-layouts --seeds 16
 
 These shared machines run 1.3 to 1.7 times faster on some days than on others, so a kernel is compared with an
 older one in the same run: the older commit's gat/csrc/fused.cpp (`git show`) is compiled with this checkout's flags
@@ -13,6 +14,11 @@ Python's calls (gat.fused.FusedTrainer: a training step and a validation pass, o
 native loop `reproduce` trains with (gat.fused.SeedLanes with lanes of 1: whole epochs, dropout masks and early
 stopping included; no seed stops early here). Prints, per seed, the median and range over the blocks and the ratio
 of this checkout's median to the older one's. Nothing is written in the repository.
+
+With `--first-w-layouts`, no older commit: this checkout's native loop twice, keeping the paper's first W by input
+feature (its Adam update row by row) against transposing it in every pass, the two layouts the kernel chooses between
+by the L2 cache's size (gat.fused.SeedLanes); the ratio is by feature / transposed, so below 1 says that this CPU
+should keep W by feature. The same bytes either way.
 """
 
 from __future__ import annotations
@@ -117,11 +123,13 @@ def time_kernels(cora: Graph, libraries: dict[str, Any], seeds: int, rounds: int
     return samples
 
 
-def time_native_loops(cora: Graph, libraries: dict[str, Any], seeds: int, rounds: int,
-                      block: int) -> dict[str, dict[str, list[float]]]:
+def time_native_loops(cora: Graph, libraries: dict[str, Any], seeds: int, rounds: int, block: int,
+                      first_w_by_feature: dict[str, bool] | None = None) -> dict[str, dict[str, list[float]]]:
     """Milliseconds per seed-epoch of the native loop (SeedLanes, lanes of 1, one thread: a tick is one epoch of
     every seed), one sample per block of `block` ticks, for each library. Early stopping's patience is the run's
-    length, so every seed trains in every tick."""
+    length, so every seed trains in every tick. `first_w_by_feature` gives a name's layout of the first W (SeedLanes'
+    argument); a name without one takes the kernel's choice for this CPU."""
+    layouts = first_w_by_feature or {}
     graph, paper, train_view, val_view = cora_protocol(cora)
     epochs = (rounds + 1) * block + 1
     loops = {}
@@ -130,7 +138,8 @@ def time_native_loops(cora: Graph, libraries: dict[str, Any], seeds: int, rounds
         noise = ReplicaDropout(tuple(range(seeds)), paper.model.dropout)
         try:
             loops[name] = fused.SeedLanes(model, paper.optim.lr, paper.optim.weight_decay, epochs, epochs,
-                                          train_view, val_view, noise, lanes=1, threads=1, lib=lib)
+                                          train_view, val_view, noise, lanes=1, threads=1, lib=lib,
+                                          first_w_by_feature=layouts.get(name))
         except fused.FusedUnavailable as error:
             raise StageError(f"the kernel {name!r} has no native loop of lanes of 1 ({error}): compare it without "
                              "--native") from None
@@ -151,9 +160,16 @@ def time_native_loops(cora: Graph, libraries: dict[str, Any], seeds: int, rounds
             loop.close()
 
 
+BY_FEATURE, TRANSPOSED = "first W by feature", "first W transposed"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--against", required=True, help="the commit whose fused.cpp to compare with")
+    compared = parser.add_mutually_exclusive_group(required=True)
+    compared.add_argument("--against", help="the commit whose fused.cpp to compare with")
+    compared.add_argument("--first-w-layouts", action="store_true",
+                          help="this checkout's native loop with the first W by input feature against transposed in "
+                               "every pass (implies --native)")
     parser.add_argument("--seeds", type=int, default=4, help="seeds per call (a reproduce batch's)")
     parser.add_argument("--rounds", type=int, default=15, help="blocks per kernel, taking turns")
     parser.add_argument("--block", type=int, default=20, help="calls per block")
@@ -164,27 +180,37 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="compiler flags added to the older build's, e.g. --against HEAD "
                              "--extra-flags=-ffp-contract=fast: what contracting into FMAs would buy")
     args = parser.parse_args(argv)
+    if args.first_w_layouts and args.extra_flags:
+        parser.error("--extra-flags changes an older commit's build: use it with --against")
     extra_flags = tuple(shlex.split(args.extra_flags))
-    older_name = " ".join([args.against, *extra_flags])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         current = fused.library()
-        with tempfile.TemporaryDirectory(prefix="gat-kernel-ab-") as folder:
-            older = fused.load(build_revision(args.against, Path(folder), extra_flags), earlier=True)
-            timing = time_native_loops if args.native else time_kernels
-            samples = timing(load_graph(default_data_dir()), {"this checkout": current, older_name: older},
-                             args.seeds, args.rounds, args.block)
+        cora = load_graph(default_data_dir())
+        if args.first_w_layouts:
+            names = [BY_FEATURE, TRANSPOSED]
+            samples = time_native_loops(cora, dict.fromkeys(names, current), args.seeds, args.rounds, args.block,
+                                        {BY_FEATURE: True, TRANSPOSED: False})
+        else:
+            names = ["this checkout", " ".join([args.against, *extra_flags])]
+            with tempfile.TemporaryDirectory(prefix="gat-kernel-ab-") as folder:
+                older = fused.load(build_revision(args.against, Path(folder), extra_flags), earlier=True)
+                timing = time_native_loops if args.native else time_kernels
+                samples = timing(cora, dict(zip(names, (current, older))), args.seeds, args.rounds, args.block)
     except (StageError, fused.FusedUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     finally:
         torch.set_num_threads(threads)
-    for what in samples["this checkout"]:
+    for what in samples[names[0]]:
         medians = {name: statistics.median(values[what]) for name, values in samples.items()}
         for name, values in samples.items():
             print(f"{what} ms per seed, {name}: {medians[name]:.3f} [{min(values[what]):.3f}-{max(values[what]):.3f}]")
-        print(f"{what}: this checkout / {older_name} = {medians['this checkout'] / medians[older_name]:.3f}")
+        print(f"{what}: {names[0]} / {names[1]} = {medians[names[0]] / medians[names[1]]:.3f}")
+    if args.first_w_layouts:
+        chosen = BY_FEATURE if current.gat_first_w_by_feature() else TRANSPOSED
+        print(f"the native loop runs with the {chosen} on this CPU (by its L2 cache's size per core)")
 
 
 if __name__ == "__main__":

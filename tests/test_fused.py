@@ -772,6 +772,34 @@ def test_the_native_loop_comparison_times_whole_epochs_of_every_seed(cora_graph:
         assert min(values["native loop's epoch"]) > 0
 
 
+def test_the_layout_comparison_runs_each_name_in_its_own_layout_of_the_first_w(cora_graph: Graph,
+                                                                                monkeypatch) -> None:
+    from benchmarks import kernel_ab
+
+    asked = []
+
+    class RecordingSeedLanes(fused.SeedLanes):
+        def __init__(self, *args, **kwargs) -> None:
+            asked.append(kwargs["first_w_by_feature"])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(fused, "SeedLanes", RecordingSeedLanes)
+    lib = fused.library()
+    samples = kernel_ab.time_native_loops(cora_graph, {"by": lib, "transposed": lib, "chosen": lib}, seeds=1,
+                                          rounds=2, block=1, first_w_by_feature={"by": True, "transposed": False})
+    assert asked == [True, False, None]  # None: the kernel's own choice for this CPU
+    assert all(len(values["native loop's epoch"]) == 2 for values in samples.values())
+
+
+def test_the_layout_comparison_refuses_extra_flags(capsys) -> None:
+    from benchmarks import kernel_ab
+
+    with pytest.raises(SystemExit) as stop:
+        kernel_ab.main(["--first-w-layouts", "--extra-flags=-O2"])
+    assert stop.value.code == 2
+    assert "--extra-flags changes an older commit's build: use it with --against" in capsys.readouterr().err
+
+
 def test_a_revision_without_the_kernel_is_one_line(capsys) -> None:
     from benchmarks import kernel_ab
 
