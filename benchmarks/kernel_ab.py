@@ -187,17 +187,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(1)
     try:
         current = fused.library()
-        cora = load_graph(default_data_dir())
         if args.first_w_layouts:
             names = [BY_FEATURE, TRANSPOSED]
-            samples = time_native_loops(cora, dict.fromkeys(names, current), args.seeds, args.rounds, args.block,
-                                        {BY_FEATURE: True, TRANSPOSED: False})
+            samples = time_native_loops(load_graph(default_data_dir()), dict.fromkeys(names, current), args.seeds,
+                                        args.rounds, args.block, {BY_FEATURE: True, TRANSPOSED: False})
         else:
             names = ["this checkout", " ".join([args.against, *extra_flags])]
             with tempfile.TemporaryDirectory(prefix="gat-kernel-ab-") as folder:
+                # The revision first: a wrong one is told at once, before the data is looked for.
                 older = fused.load(build_revision(args.against, Path(folder), extra_flags), earlier=True)
                 timing = time_native_loops if args.native else time_kernels
-                samples = timing(cora, dict(zip(names, (current, older))), args.seeds, args.rounds, args.block)
+                samples = timing(load_graph(default_data_dir()), dict(zip(names, (current, older))), args.seeds,
+                                 args.rounds, args.block)
     except (StageError, fused.FusedUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
