@@ -512,7 +512,8 @@ inline void heads_of_bits(const uint64_t* bits, index_t n, uint8_t* out) {
 // training step and the validation pass, whose views differ in size, so a buffer grew, and was zeroed, twice per
 // epoch, only to be written whole (the per-call seed-epoch 0.973 of its time, the native loop's 0.981 with 4 seeds).
 // Whatever must start at zero says so (assign, fill, `= {}`). Built with -DGAT_POISON_BUFFERS, new elements are NaN
-// (integers: a huge index) instead, so a read before a write fails the self-check (tests/test_fused_builds.py).
+// (integers: a third of their largest value, 85 in a byte) instead, so a read before a write fails the self-check
+// (tests/test_fused_builds.py). Copies and resize(n, value) keep std::allocator_traits' own placement new.
 template <typename T>
 struct CacheLineAllocator {
   using value_type = T;
@@ -533,10 +534,6 @@ struct CacheLineAllocator {
     }
 #endif
     ::new (static_cast<void*>(p)) U;  // default-initialised: nothing written for numbers
-  }
-  template <typename U, typename... Args>
-  void construct(U* p, Args&&... args) {
-    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
   }
   template <typename U>
   bool operator==(const CacheLineAllocator<U>&) const noexcept { return true; }
