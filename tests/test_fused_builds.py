@@ -35,7 +35,7 @@ from test_fused import sampled_exp_lanes_mismatches
 REPO = Path(__file__).resolve().parents[1]
 COMPILER = shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++")
 
-# Seven compiler builds, each self-checked and trained: about 2 minutes; `make test-all` runs them.
+# Seven compiler builds, each self-checked and trained: about 5 minutes; `make test-all` runs them.
 pytestmark = pytest.mark.slow
 
 
